@@ -1,0 +1,30 @@
+# Two entry points for a fresh clone: `make demo` and `make test`. Both create .venv when missing.
+VENV ?= .venv
+PYTHON ?= python3
+# On these CPU machines this takes the CPU build of torch already on disk; on a GPU machine it
+# takes PyPI's default build. Override with e.g. TORCH_SPEC="torch==2.13.0+cu128".
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tuneforge train configs/demo.yaml
+	$(VENV)/bin/tuneforge chat work_dirs/demo/checkpoints/final --prompt "Convert #ff8800 to RGB."
+
+test: $(STAMP) lint
+	$(VENV)/bin/pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests configs
+	$(VENV)/bin/ruff format --check src tests configs
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests configs
+	$(VENV)/bin/ruff format src tests configs

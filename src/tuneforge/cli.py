@@ -1,0 +1,100 @@
+"""The `tuneforge` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tuneforge.errors import UserError
+
+TRAIN_EXAMPLES = """examples:
+  tuneforge train configs/demo.yaml
+  tuneforge train configs/demo.yaml train.lr=1e-4 data.max_length=512
+  tuneforge train my.yaml train.max_steps=10 --work-dir /tmp/try
+
+Overrides are dotted keys with YAML values; `tuneforge config-docs` lists every key.
+Outputs go to the work dir (default work_dirs/<config name>): config.yaml, metrics.jsonl,
+samples.jsonl, eval.json and checkpoints/step-N/ and checkpoints/final/ in Hugging Face format."""
+
+CHAT_EXAMPLES = """examples:
+  tuneforge chat work_dirs/demo/checkpoints/final --prompt "Convert #ff8800 to RGB."
+  tuneforge chat work_dirs/demo/checkpoints/step-500          (interactive)"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tuneforge",
+        description="Fine-tune Hugging Face causal language models (dense and MoE; full, LoRA, QLoRA).",
+        epilog="examples:\n  tuneforge train configs/demo.yaml\n  tuneforge chat work_dirs/demo/checkpoints/final",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser(
+        "train",
+        help="train from a YAML config",
+        epilog=TRAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("config", type=Path, help="YAML config file")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
+    train.add_argument("--work-dir", type=Path, help="output directory (default: work_dirs/<config name>)")
+
+    chat = commands.add_parser(
+        "chat",
+        help="chat with a checkpoint",
+        epilog=CHAT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chat.add_argument("checkpoint", type=Path, help="a checkpoints/step-N or checkpoints/final directory")
+    chat.add_argument("--prompt", help="answer this one prompt and exit (default: interactive)")
+    chat.add_argument("--system", help="system prompt (default: the one used in training)")
+    chat.add_argument("--template", help="chat template name (default: the one used in training)")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit (default 256)")
+
+    commands.add_parser(
+        "config-docs",
+        help="list every config key with its default and meaning",
+        epilog="example:\n  tuneforge config-docs | grep train.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return parser
+
+
+def _train(args: argparse.Namespace) -> None:
+    from tuneforge.config import load_config
+
+    config = load_config(args.config, args.overrides)  # validated before anything heavy is imported
+    from tuneforge.train.run import run_training
+
+    work_dir = args.work_dir or Path("work_dirs") / args.config.stem
+    run_training(config, work_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    # Overrides may come after options too (`train cfg.yaml --work-dir d a.b=1`): collect the rest.
+    args, rest = parser.parse_known_args(argv)
+    if rest and (args.command != "train" or any("=" not in r or r.startswith("-") for r in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "train":
+        args.overrides = [*args.overrides, *rest]
+    try:
+        if args.command == "train":
+            _train(args)
+        elif args.command == "chat":
+            from tuneforge.chat import run_chat
+
+            run_chat(args.checkpoint, args.prompt, args.system, args.template, args.max_new_tokens)
+        elif args.command == "config-docs":
+            from tuneforge.config.load import describe_fields
+
+            print("\n".join(describe_fields()))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,169 @@
+"""Load a config: YAML file + dotted overrides -> validated ``Config``, or one line per mistake."""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from tuneforge.config.schema import Config
+from tuneforge.errors import UserError
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split `train.lr=1e-4` into (["train", "lr"], 1e-4); the value is read as a YAML scalar."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserError(f"override {text!r}: expected KEY=VALUE with a dotted key, for example train.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as exc:
+        raise UserError(f"override {text!r}: value is not valid YAML ({exc.problem})") from None
+    return key.split("."), value
+
+
+def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any, origin: str) -> None:
+    node = tree
+    for i, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise UserError(f"override {origin!r}: `{'.'.join(keys[: i + 1])}` is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _line_of(root: yaml.Node | None, loc: tuple[str | int, ...]) -> int | None:
+    """1-based line of the YAML node at `loc`, or of its deepest existing parent."""
+    node, line = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = [(k, v) for k, v in node.value if k.value == part]
+            if not match:
+                break
+            key_node, node = match[0]
+            line = key_node.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _section_class(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The config class that owns the keys at `loc` (for did-you-mean suggestions)."""
+    cls: type[BaseModel] = Config
+    for part in loc:
+        if not isinstance(part, str) or part not in cls.model_fields:
+            return None
+        annotation = cls.model_fields[part].annotation
+        candidates = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+        sections = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not sections:
+            return None
+        cls = sections[0]
+    return cls
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    if error["type"] == "extra_forbidden":
+        owner = _section_class(loc[:-1])
+        known = list(owner.model_fields) if owner else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"; did you mean `{close[0]}`?" if close else f"; known keys: {', '.join(known)}"
+        return f"unknown key{hint}"
+    if error["type"] == "missing":
+        return "required key is missing"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] not in ("value_error", "assertion_error"):
+        message += f" (got {error['input']!r})"
+    return message
+
+
+def _format_errors(exc: ValidationError, path: Path, root: yaml.Node | None, overridden: dict[str, str]) -> str:
+    lines = []
+    for error in exc.errors():
+        # pydantic reports tuple items with int indices; union branches add class names.
+        loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p[:1].isupper()))
+        dotted = ".".join(str(p) for p in loc) or "<top level>"
+        origin = next((o for k, o in overridden.items() if dotted == k or dotted.startswith(k + ".")), None)
+        if origin is not None:
+            where = f"{path} (override {origin})"
+        else:
+            line = _line_of(root, loc)
+            where = f"{path}:{line}" if line else str(path)
+        lines.append(f"{where}: {dotted}: {_describe({**error, 'loc': loc})}")
+    return "\n".join(lines)
+
+
+def _resolve_paths(config: Config, base: Path) -> Config:
+    """Data paths are relative to the config file; model paths only when such a directory exists."""
+    config.data.train_files = [str((base / f).resolve()) for f in config.data.train_files]
+    if config.eval.exact_match is not None:
+        config.eval.exact_match.file = str((base / config.eval.exact_match.file).resolve())
+    for field in ("path", "tokenizer"):
+        value = getattr(config.model, field)
+        if value and value != "bytes" and (base / value).exists():
+            setattr(config.model, field, str((base / value).resolve()))
+    return config
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read, override, validate. Raises ``UserError`` naming the file, line and key of each mistake."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read config ({exc.strerror})") from None
+    try:
+        root = yaml.compose(text)
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise UserError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(tree, dict):
+        raise UserError(f"{path}: expected a mapping of sections (model, data, train, ...) at the top level")
+
+    overridden: dict[str, str] = {}
+    for text_override in overrides:
+        keys, value = parse_override(text_override)
+        _set_dotted(tree, keys, value, text_override)
+        overridden[".".join(keys)] = text_override
+
+    try:
+        config = Config.model_validate(tree)
+    except ValidationError as exc:
+        raise UserError(_format_errors(exc, path, root, overridden)) from None
+    return _resolve_paths(config, path.parent)
+
+
+def dump_config(config: Config, path: Path) -> None:
+    """Write the resolved config; loading it again gives an equal ``Config``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = config.model_dump(mode="json")
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
+
+
+def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """One documented line per config key, for `tuneforge config-docs`."""
+    lines = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        annotation = field.annotation
+        candidates = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+        sections = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        doc = " ".join((field.description or "").split())
+        if sections:
+            lines.append(f"{dotted}: {doc}")
+            lines.extend(describe_fields(sections[0], dotted + "."))
+        else:
+            default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
+            lines.append(f"  {dotted} ({default}): {doc}")
+    return lines

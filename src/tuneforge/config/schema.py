@@ -1,0 +1,215 @@
+"""The typed configuration: one section per concern, every field documented.
+
+Field docstrings are the documentation: pydantic turns them into descriptions and
+``tuneforge config-docs`` prints them. Validation happens at load time, before any
+model is built, so a typo costs seconds, not a cluster allocation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, docstrings document fields."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """A local Hugging Face model directory (or hub id) to fine-tune. Exclusive with `architecture`."""
+
+    architecture: str | None = None
+    """Build a fresh, randomly initialised model of this `transformers` model type
+    (for example `llama`, `qwen2`, `mixtral`, `deepseek_v2`) instead of loading weights."""
+
+    size: dict[str, Any] = Field(default_factory=dict)
+    """Config fields of the fresh model (for example `hidden_size`, `num_hidden_layers`);
+    only with `architecture`. `vocab_size` is taken from the tokenizer."""
+
+    tokenizer: str | None = None
+    """Tokenizer directory, or `bytes` for the built-in byte-level tokenizer (no download).
+    Defaults to `path`."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the weights are held in. Mixed precision compute is `train.precision`."""
+
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint directory (only for architectures `transformers` lacks)."""
+
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel passed to `transformers`."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.architecture is None):
+            raise ValueError("set exactly one of `model.path` (load weights) or `model.architecture` (fresh model)")
+        if self.size and self.architecture is None:
+            raise ValueError("`model.size` only applies with `model.architecture`")
+        if self.architecture is not None and self.tokenizer is None:
+            raise ValueError("a fresh model needs `model.tokenizer` (a directory, or `bytes`)")
+        return self
+
+
+class DataConfig(Section):
+    train_files: list[str] = Field(min_length=1)
+    """Training files in the OpenAI `messages` JSONL format; relative paths are resolved
+    against the config file's directory."""
+
+    template: str = "deepseek_coder"
+    """Chat template used to render conversations (see `tuneforge.data.templates`)."""
+
+    system: str | None = None
+    """System prompt given to conversations that have none (None: leave them without)."""
+
+    max_length: int = Field(2048, gt=0)
+    """Longest tokenized sample; longer samples are dropped, counted and reported."""
+
+    shuffle: bool = True
+    """Shuffle samples each epoch (seeded by `train.seed` and the epoch)."""
+
+
+class TrainConfig(Section):
+    lr: float = Field(2e-4, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate at the end of the decay."""
+
+    optimizer: Literal["adamw"] = "adamw"
+    """Optimizer (AdamW, decoupled weight decay)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
+
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay (not applied to biases and norm weights)."""
+
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup, by optimizer step, from `lr` to `min_lr`."""
+
+    warmup_ratio: float = Field(0.03, ge=0, le=1)
+    """Fraction of all optimizer steps spent in linear warmup."""
+
+    warmup_steps: int | None = Field(None, ge=0)
+    """Warmup length in optimizer steps; overrides `warmup_ratio` when set."""
+
+    precision: Literal["bf16", "fp32"] = "bf16"
+    """Compute precision: `bf16` autocast (works on CPU too) or plain `fp32`."""
+
+    micro_batch_size: int = Field(1, ge=1)
+    """Samples per forward pass on each process."""
+
+    gradient_accumulation: int = Field(1, ge=1)
+    """Micro-batches per optimizer step."""
+
+    epochs: int = Field(1, ge=1)
+    """Passes over the training data (ignored when `max_steps` is set)."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (cycling over epochs as needed)."""
+
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported)."""
+
+    seed: int = 42
+    """Seed for model init, shuffling and dropout: the same seed gives the same run on CPU."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"`train.betas` must each be in [0, 1), got {list(self.betas)}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"`train.min_lr` ({self.min_lr}) must not exceed `train.lr` ({self.lr})")
+        return self
+
+
+class ParallelConfig(Section):
+    engine: Literal["auto", "single"] = "auto"
+    """Training engine. `auto` picks `single` for one process (distributed engines: later)."""
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(500, ge=0)
+    """Save every N optimizer steps under `checkpoints/step-N/` (0: only the final one)."""
+
+    keep_last: int | None = Field(2, ge=1)
+    """Keep only the newest K `step-N` checkpoints (None keeps all); `final` is always kept."""
+
+    save_final: bool = True
+    """Save `checkpoints/final/` when training ends."""
+
+
+class ExactMatchConfig(Section):
+    file: str
+    """JSONL file in the `messages` format; the last assistant message is the reference answer."""
+
+    label: str = "eval"
+    """Name printed as `<label> accuracy: X` and stored in `eval.json`."""
+
+    max_new_tokens: int = Field(32, ge=1)
+    """Generation budget per answer."""
+
+    batch_size: int = Field(64, ge=1)
+    """Prompts generated together."""
+
+
+class EvalConfig(Section):
+    sample_prompts: list[str] = Field(default_factory=list)
+    """User prompts answered (greedy) during training, printed and written to `samples.jsonl`."""
+
+    sample_every_steps: int = Field(0, ge=0)
+    """Answer `sample_prompts` every N optimizer steps (0: only at the end)."""
+
+    sample_at_start: bool = False
+    """Also answer them before the first step."""
+
+    sample_max_new_tokens: int = Field(64, ge=1)
+    """Generation budget for each sample answer."""
+
+    exact_match: ExactMatchConfig | None = None
+    """After training, greedy answers are compared to references; the accuracy goes to `eval.json`."""
+
+
+class LogConfig(Section):
+    every_steps: int = Field(1, ge=1)
+    """Print a progress line every N optimizer steps when the console is not a terminal."""
+
+    progress: Literal["auto", "bar", "lines"] = "auto"
+    """`bar` redraws a live progress bar, `lines` prints lines, `auto` picks by terminal."""
+
+
+class WatchdogConfig(Section):
+    enabled: bool = True
+    """Dump every thread's stack to `diagnostics/` and exit non-zero when training stalls."""
+
+    startup_timeout_s: float = Field(1800.0, gt=0)
+    """Allowed time for model set-up and the first micro-step."""
+
+    stall_timeout_s: float = Field(600.0, gt=0)
+    """Allowed time between two progress beats after the first micro-step."""
+
+
+class Config(Section):
+    model: ModelConfig
+    """What to fine-tune."""
+    data: DataConfig
+    """What to train on."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimization."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """How the work is split across processes."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """What is saved and when."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Samples and accuracy checks."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Console progress."""
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    """Stall detection."""

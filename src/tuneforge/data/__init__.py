@@ -1,0 +1,1 @@
+"""Chat data: conversations, templates, tokenization with loss masks, batching."""

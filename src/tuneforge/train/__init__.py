@@ -1,0 +1,1 @@
+"""The training loop and what runs around it: optimizer, schedule, progress, checkpoints."""

@@ -1,0 +1,72 @@
+"""Checkpoints in Hugging Face format, written atomically, with the newest K kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+CHAT_META = "tuneforge.json"
+"""Written beside the weights: the chat template and system prompt the model was trained with."""
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def save_checkpoint(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: Path,
+    meta: dict[str, Any],
+    config_file: Path | None = None,
+) -> Path:
+    """Write into a temporary sibling, then rename: a crash mid-save never leaves a half checkpoint."""
+    tmp = directory.parent / f".tmp-{directory.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / CHAT_META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
+    if config_file is not None:
+        shutil.copy2(config_file, tmp / "config.tuneforge.yaml")
+    for file in tmp.iterdir():
+        with file.open("rb") as handle:
+            os.fsync(handle.fileno())
+    if directory.exists():
+        old = directory.parent / f".old-{directory.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(directory)
+    return directory
+
+
+def step_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
+    """`step-N` checkpoints, oldest first."""
+    if not checkpoints_dir.exists():
+        return []
+    found = [(int(m.group(1)), p) for p in checkpoints_dir.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def prune_checkpoints(checkpoints_dir: Path, keep_last: int | None) -> list[Path]:
+    """Delete all but the newest `keep_last` step checkpoints; returns what was removed."""
+    if keep_last is None:
+        return []
+    removed = [path for _, path in step_checkpoints(checkpoints_dir)[:-keep_last]]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
+def read_chat_meta(checkpoint: Path) -> dict[str, Any] | None:
+    path = checkpoint / CHAT_META
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None

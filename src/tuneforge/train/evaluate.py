@@ -1,0 +1,62 @@
+"""Exact-match accuracy of greedy replies against the reference answers of a held-out file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tuneforge.data.conversation import load_conversations
+from tuneforge.data.templates import Template
+from tuneforge.errors import UserError
+from tuneforge.generate import generate_replies
+
+
+@dataclass
+class ExactMatchResult:
+    label: str
+    accuracy: float
+    correct: int
+    total: int
+    mistakes: list[dict] = field(default_factory=list)
+    """Up to 20 wrong answers with their prompt and reference, for a quick look."""
+
+
+def exact_match(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    template: Template,
+    file: str,
+    label: str,
+    system: str | None,
+    max_new_tokens: int,
+    batch_size: int,
+    precision: str,
+    on_batch: Callable[[], None] | None = None,
+) -> ExactMatchResult:
+    """Each conversation's last assistant message is the reference; everything before it is the prompt."""
+    conversations = load_conversations([file])
+    if not conversations:
+        raise UserError(f"{file}: eval.exact_match.file holds no conversations")
+    histories = [list(c.messages[:-1]) for c in conversations]
+    references = [c.messages[-1].content for c in conversations]
+    replies = generate_replies(
+        model, tokenizer, template, histories, system, max_new_tokens, precision, batch_size, on_batch=on_batch
+    )
+    correct = 0
+    mistakes = []
+    for conv, reply, reference in zip(conversations, replies, references, strict=True):
+        if reply.strip() == reference.strip():
+            correct += 1
+        elif len(mistakes) < 20:
+            mistakes.append(
+                {"origin": conv.origin, "prompt": conv.messages[-2].content, "expected": reference, "got": reply}
+            )
+    return ExactMatchResult(label, correct / len(conversations), correct, len(conversations), mistakes)
+
+
+def write_result(result: ExactMatchResult, path: Path) -> None:
+    path.write_text(json.dumps(asdict(result), indent=2, ensure_ascii=False), encoding="utf-8")

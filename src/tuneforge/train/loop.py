@@ -1,0 +1,215 @@
+"""The one training loop: accumulate token-weighted gradients, clip, step, report, sample, save."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tuneforge.config.schema import Config
+from tuneforge.data.batching import EpochBatches, MicroBatch
+from tuneforge.data.conversation import Message
+from tuneforge.data.templates import Template
+from tuneforge.generate import generate_replies
+from tuneforge.train.checkpoint import prune_checkpoints, save_checkpoint
+from tuneforge.train.loss import loss_sum
+from tuneforge.train.metrics import MetricsLog
+from tuneforge.train.progress import ProgressReporter
+from tuneforge.train.schedule import LRSchedule, resolve_warmup
+from tuneforge.watchdog import StallWatchdog
+
+
+@dataclass(frozen=True)
+class AccumulatedStep:
+    loss: float
+    """Mean loss per target token over the whole accumulated batch."""
+    num_targets: int
+    num_tokens: int
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    micro_batches: list[MicroBatch],
+    precision: str,
+    on_micro_step: Callable[[int], None] | None = None,
+) -> AccumulatedStep:
+    """Backward every micro-batch with its loss sum divided by the step's total target count, so the
+    gradient is that of the mean over all target tokens, however they are split into micro-batches."""
+    total_targets = sum(mb.num_targets for mb in micro_batches)
+    assert total_targets > 0, "tokenization drops samples without targets"
+    loss_total = torch.zeros(())
+    for index, batch in enumerate(micro_batches, start=1):
+        loss = loss_sum(model, batch, precision) / total_targets
+        loss.backward()
+        loss_total += loss.detach().cpu()
+        if on_micro_step is not None:
+            on_micro_step(index)
+    return AccumulatedStep(float(loss_total), total_targets, sum(mb.num_tokens for mb in micro_batches))
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient norm before clipping; clipping is skipped when `max_norm` is 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+
+
+def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
+    """The last optimizer step of an epoch may take fewer micro-batches; it is weighted by tokens anyway."""
+    return math.ceil(num_micro_batches / accumulation)
+
+
+def step_groups(batches: EpochBatches, accumulation: int) -> Iterator[tuple[int, list[MicroBatch]]]:
+    """(epoch, micro-batches of one optimizer step), cycling over epochs; a step never spans two epochs."""
+    epoch = 0
+    while True:
+        group: list[MicroBatch] = []
+        for batch in batches.epoch(epoch):
+            group.append(batch)
+            if len(group) == accumulation:
+                yield epoch, group
+                group = []
+        if group:
+            yield epoch, group
+        epoch += 1
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: Config,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        template: Template,
+        optimizer: torch.optim.Optimizer,
+        batches: EpochBatches,
+        work_dir: Path,
+        watchdog: StallWatchdog,
+    ):
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template
+        self.optimizer = optimizer
+        self.batches = batches
+        self.work_dir = work_dir
+        self.watchdog = watchdog
+        train = cfg.train
+        per_epoch = steps_per_epoch(len(batches), train.gradient_accumulation)
+        self.total_steps = train.max_steps or per_epoch * train.epochs
+        self.schedule = LRSchedule(
+            peak=train.lr,
+            min_lr=train.min_lr,
+            total_steps=self.total_steps,
+            warmup_steps=resolve_warmup(self.total_steps, train.warmup_ratio, train.warmup_steps),
+            kind=train.schedule,
+        )
+        self.progress = ProgressReporter(
+            self.total_steps, train.gradient_accumulation, cfg.log.progress, cfg.log.every_steps
+        )
+        self.checkpoints_dir = work_dir / "checkpoints"
+        self.chat_meta = {"template": cfg.data.template, "system": cfg.data.system}
+
+    def run(self) -> list[dict]:
+        cfg, model = self.cfg, self.model
+        model.train()
+        metrics_log = MetricsLog(self.work_dir / "metrics.jsonl")
+        history: list[dict] = []
+        started = time.monotonic()
+        try:
+            if cfg.eval.sample_at_start and cfg.eval.sample_prompts:
+                self.sample_chats(step=0)
+            groups = step_groups(self.batches, cfg.train.gradient_accumulation)
+            for step in range(1, self.total_steps + 1):
+                self.watchdog.beat("data", training=step > 1)
+                step_start = time.monotonic()
+                epoch, micro_batches = next(groups)
+                accumulated = self._forward_backward(step, micro_batches)
+                self.watchdog.beat("optimizer")
+                grad_norm = clip_gradients(model, cfg.train.max_grad_norm)
+                lr = self.schedule(step)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                seconds = time.monotonic() - step_start
+                record = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": accumulated.loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": accumulated.num_tokens / seconds,
+                    "trained_tokens_per_s": accumulated.num_targets / seconds,
+                    "tokens": accumulated.num_tokens,
+                    "trained_tokens": accumulated.num_targets,
+                    "elapsed_s": time.monotonic() - started,
+                }
+                metrics_log.write(record)
+                history.append(record)
+                self.progress.step(step, record)
+                if cfg.eval.sample_every_steps and step % cfg.eval.sample_every_steps == 0 and step < self.total_steps:
+                    self.sample_chats(step)
+                if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                    self.save(f"step-{step}", step)
+            if cfg.eval.sample_prompts:
+                self.sample_chats(self.total_steps)
+            if cfg.checkpoint.save_final:
+                self.save("final", self.total_steps)
+        finally:
+            metrics_log.close()
+            self.progress.close()
+        return history
+
+    def _forward_backward(self, step: int, micro_batches: list[MicroBatch]) -> AccumulatedStep:
+        last = time.monotonic()
+
+        def on_micro_step(index: int) -> None:
+            nonlocal last
+            now = time.monotonic()
+            self.watchdog.beat("forward/backward")
+            self.progress.micro_step(step, index, len(micro_batches), now - last)
+            last = now
+
+        self.watchdog.beat("forward/backward", training=step > 1)
+        return accumulate_gradients(self.model, micro_batches, self.cfg.train.precision, on_micro_step)
+
+    def sample_chats(self, step: int) -> None:
+        evaluation = self.cfg.eval
+        self.watchdog.beat("generation", training=step > 0)
+        histories = [[Message("user", prompt, False)] for prompt in evaluation.sample_prompts]
+        replies = generate_replies(
+            self.model,
+            self.tokenizer,
+            self.template,
+            histories,
+            self.cfg.data.system,
+            evaluation.sample_max_new_tokens,
+            self.cfg.train.precision,
+            on_batch=lambda: self.watchdog.beat("generation", training=step > 0),
+        )
+        with (self.work_dir / "samples.jsonl").open("a", encoding="utf-8") as handle:
+            for prompt, reply in zip(evaluation.sample_prompts, replies, strict=True):
+                self.progress.log(f"[sample @ step {step}] {prompt!r} -> {reply!r}")
+                handle.write(json.dumps({"step": step, "prompt": prompt, "reply": reply}, ensure_ascii=False) + "\n")
+
+    def save(self, name: str, step: int) -> Path:
+        self.watchdog.beat("save")
+        path = save_checkpoint(
+            self.model,
+            self.tokenizer,
+            self.checkpoints_dir / name,
+            {**self.chat_meta, "step": step},
+            self.work_dir / "config.yaml",
+        )
+        prune_checkpoints(self.checkpoints_dir, self.cfg.checkpoint.keep_last)
+        self.progress.log(f"saved checkpoint {path}")
+        self.watchdog.beat("save")
+        return path

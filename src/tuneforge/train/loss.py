@@ -1,0 +1,30 @@
+"""Token-weighted loss: sums over target tokens, divided once by the step's total target count."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from tuneforge.data.batching import MicroBatch
+from tuneforge.data.tokenize import IGNORE_INDEX
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def loss_sum(model: torch.nn.Module, batch: MicroBatch, precision: str) -> torch.Tensor:
+    """Sum of cross-entropy over the batch's target tokens (fp32 reduction)."""
+    device = next(model.parameters()).device
+    with autocast(precision, device):
+        logits = model(
+            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False
+        ).logits
+    targets = batch.targets.to(device)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )

@@ -1,0 +1,109 @@
+"""`tuneforge train`: config -> data -> model -> loop -> checkpoints and evaluation, in one place."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import transformers
+
+from tuneforge.config import Config, dump_config
+from tuneforge.data.batching import EpochBatches
+from tuneforge.data.conversation import load_conversations
+from tuneforge.data.templates import get_template
+from tuneforge.data.tokenize import tokenize_conversations
+from tuneforge.errors import UserError
+from tuneforge.model.build import build_model, build_tokenizer, count_parameters
+from tuneforge.train.evaluate import exact_match, write_result
+from tuneforge.train.loop import Trainer
+from tuneforge.train.optim import build_optimizer
+from tuneforge.watchdog import StallWatchdog
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_training(cfg: Config, work_dir: Path) -> dict:
+    """Train as configured; returns a summary (final loss, steps, accuracy if configured)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
+    dump_config(cfg, work_dir / "config.yaml")
+    print(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
+    print(
+        f"engine: single (one process, {torch.get_num_threads()} CPU threads)"
+        if cfg.parallel.engine in ("auto", "single")
+        else f"engine: {cfg.parallel.engine}"
+    )
+
+    watchdog = StallWatchdog(
+        work_dir / "diagnostics", cfg.watchdog.startup_timeout_s, cfg.watchdog.stall_timeout_s, cfg.watchdog.enabled
+    )
+    watchdog.start()
+    try:
+        return _train(cfg, work_dir, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _train(cfg: Config, work_dir: Path, watchdog: StallWatchdog) -> dict:
+    seed_everything(cfg.train.seed)
+    template = get_template(cfg.data.template)
+    tokenizer = build_tokenizer(cfg.model)
+
+    watchdog.beat("data", training=False)
+    conversations = load_conversations(cfg.data.train_files)
+    samples, report = tokenize_conversations(conversations, tokenizer, template, cfg.data.max_length, cfg.data.system)
+    print(
+        f"data: {len(conversations)} conversations from {len(cfg.data.train_files)} file(s); "
+        f"{report.kept} kept, {report.dropped_too_long} dropped as longer than data.max_length="
+        f"{cfg.data.max_length}, {report.dropped_no_target} dropped with no trained token"
+    )
+    if report.longest_dropped:
+        print(f"data: longest dropped sample: {report.longest_dropped}; raise data.max_length to keep such samples")
+    if not samples:
+        raise UserError(f"data: no trainable samples left in {', '.join(cfg.data.train_files)}")
+
+    watchdog.beat("model", training=False)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed)
+    trainable, total = count_parameters(model)
+    print(
+        f"model: {type(model).__name__}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable, "
+        f"weights {cfg.model.dtype}, compute {cfg.train.precision}"
+    )
+
+    seed_everything(cfg.train.seed)
+    batches = EpochBatches(
+        samples, cfg.train.micro_batch_size, tokenizer.pad_token_id, cfg.data.shuffle, cfg.train.seed
+    )
+    trainer = Trainer(cfg, model, tokenizer, template, build_optimizer(model, cfg.train), batches, work_dir, watchdog)
+    print(
+        f"train: {trainer.total_steps} optimizer steps of {cfg.train.gradient_accumulation} x "
+        f"{cfg.train.micro_batch_size} samples; lr {cfg.train.lr:g} ({cfg.train.schedule}, "
+        f"{trainer.schedule.warmup_steps} warmup steps)"
+    )
+    history = trainer.run()
+    summary: dict = {"steps": len(history), "final_loss": history[-1]["loss"] if history else None}
+
+    match_cfg = cfg.eval.exact_match
+    if match_cfg is not None:
+        watchdog.beat("eval")
+        result = exact_match(
+            model,
+            tokenizer,
+            template,
+            match_cfg.file,
+            match_cfg.label,
+            cfg.data.system,
+            match_cfg.max_new_tokens,
+            match_cfg.batch_size,
+            cfg.train.precision,
+            on_batch=lambda: watchdog.beat("eval"),
+        )
+        write_result(result, work_dir / "eval.json")
+        print(f"{result.label} accuracy: {result.accuracy:.3f}")
+        print(f"({result.correct}/{result.total} exact matches; details in {work_dir / 'eval.json'})")
+        summary["accuracy"] = result.accuracy
+    return summary

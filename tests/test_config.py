@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tuneforge.config import dump_config, load_config
+from tuneforge.errors import UserError
+
+BASE = """\
+model:
+  architecture: llama
+  tokenizer: bytes
+data:
+  train_files: [train.jsonl]
+train:
+  lr: 1.0e-3
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def error_of(path: Path, overrides: list[str] = ()) -> str:
+    with pytest.raises(UserError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_unknown_key_suggests_the_closest_one(tmp_path):
+    message = error_of(write(tmp_path, BASE + "  lrr: 3\n"))
+    assert message == f"{tmp_path / 'cfg.yaml'}:8: train.lrr: unknown key; did you mean `lr`?"
+
+
+def test_unknown_section_suggests_the_closest_one(tmp_path):
+    message = error_of(write(tmp_path, BASE + "chekpoint: {every_steps: 3}\n"))
+    assert message == f"{tmp_path / 'cfg.yaml'}:8: chekpoint: unknown key; did you mean `checkpoint`?"
+
+
+def test_wrong_type_names_key_line_and_value(tmp_path):
+    message = error_of(write(tmp_path, BASE + "  micro_batch_size: lots\n"))
+    assert message.startswith(f"{tmp_path / 'cfg.yaml'}:8: train.micro_batch_size: ")
+    assert "integer" in message and "'lots'" in message
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "words"),
+    [
+        ("  lr: -1.0", "train.lr", "greater than 0"),
+        ("  warmup_ratio: 1.5", "train.warmup_ratio", "less than or equal to 1"),
+        ("  gradient_accumulation: 0", "train.gradient_accumulation", "greater than or equal to 1"),
+    ],
+)
+def test_impossible_values(tmp_path, line, key, words):
+    text = BASE.replace("  lr: 1.0e-3\n", "") + line + "\n"
+    message = error_of(write(tmp_path, text))
+    assert message.startswith(f"{tmp_path / 'cfg.yaml'}:7: {key}: ")
+    assert words in message
+    assert len(message.splitlines()) == 1
+
+
+def test_cross_field_rule_is_reported_on_its_section(tmp_path):
+    message = error_of(write(tmp_path, BASE + "  min_lr: 1.0\n"))
+    assert "train.min_lr` (1.0) must not exceed `train.lr`" in message
+    assert message.startswith(f"{tmp_path / 'cfg.yaml'}:6: train: ")
+
+
+def test_model_needs_exactly_one_source(tmp_path):
+    message = error_of(write(tmp_path, BASE.replace("  architecture: llama\n", "")))
+    assert "set exactly one of `model.path`" in message
+
+
+def test_every_mistake_gets_its_own_line(tmp_path):
+    text = BASE.replace("  lr: 1.0e-3\n", "  lr: -1\n  epochs: 0\n")
+    assert len(error_of(write(tmp_path, text)).splitlines()) == 2
+
+
+def test_overrides_apply_and_parse_yaml_values(tmp_path):
+    config = load_config(write(tmp_path, BASE), ["train.lr=1e-4", "data.max_length=512", "train.betas=[0.9, 0.95]"])
+    assert config.train.lr == 1e-4
+    assert config.data.max_length == 512
+    assert config.train.betas == (0.9, 0.95)
+
+
+def test_bad_override_names_the_override(tmp_path):
+    message = error_of(write(tmp_path, BASE), ["train.lr=-5"])
+    assert message.startswith(f"{tmp_path / 'cfg.yaml'} (override train.lr=-5): train.lr: ")
+    message = error_of(write(tmp_path, BASE), ["train.seeed=1"])
+    assert "train.seeed: unknown key; did you mean `seed`?" in message
+    with pytest.raises(UserError, match="expected KEY=VALUE"):
+        load_config(write(tmp_path, BASE), ["train.lr"])
+
+
+def test_invalid_yaml_gives_the_line(tmp_path):
+    message = error_of(write(tmp_path, BASE + "  seed: [1, 2\n"))
+    assert message.startswith(f"{tmp_path / 'cfg.yaml'}:")
+    assert "not valid YAML" in message
+
+
+def test_relative_data_paths_resolve_against_the_config(tmp_path):
+    config = load_config(write(tmp_path, BASE))
+    assert config.data.train_files == [str(tmp_path / "train.jsonl")]
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(write(tmp_path, BASE), ["train.max_steps=7", "eval.sample_prompts=[hi]"])
+    dump_config(config, tmp_path / "out" / "config.yaml")
+    again = load_config(tmp_path / "out" / "config.yaml")
+    assert again == config
+
+
+def test_demo_config_is_valid():
+    config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml")
+    assert config.eval.exact_match is not None and config.eval.exact_match.label == "demo"
+
+
+def test_cli_reports_config_errors_in_one_line_before_loading_anything(tmp_path):
+    path = write(tmp_path, BASE + "  lrr: 3\n")
+    work_dir = tmp_path / "wd"
+    result = subprocess.run(
+        [sys.executable, "-m", "tuneforge", "train", str(path), "--work-dir", str(work_dir)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {path}:8: train.lrr: unknown key; did you mean `lr`?"
+    assert not work_dir.exists()

@@ -1,0 +1,114 @@
+"""Loop invariants on a tiny Llama: token weighting, accumulation, clipping, schedule, determinism."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tuneforge.data.batching import collate
+from tuneforge.data.conversation import parse_messages
+from tuneforge.data.templates import get_template
+from tuneforge.data.tokenize import tokenize_conversations
+from tuneforge.train.loop import accumulate_gradients, clip_gradients, steps_per_epoch
+from tuneforge.train.schedule import LRSchedule, resolve_warmup
+
+from conftest import chat, tiny_llama
+
+
+def samples_of_different_lengths(tokenizer, count: int = 8):
+    conversations = [
+        parse_messages(chat("q" * (3 + 7 * i), "answer " * (1 + (i * 5) % 11)), f"mem:{i}") for i in range(count)
+    ]
+    samples, _ = tokenize_conversations(conversations, tokenizer, get_template("deepseek_coder"), 1024)
+    assert len({len(s.input_ids) for s in samples}) == count
+    return samples
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_batch_of_8_equals_8_micro_batches_of_1(tokenizer):
+    samples = samples_of_different_lengths(tokenizer)
+    pad = tokenizer.pad_token_id
+
+    model = tiny_llama(tokenizer)
+    whole = accumulate_gradients(model, [collate(samples, pad)], "fp32")
+    grads_whole = gradients(model)
+
+    model = tiny_llama(tokenizer)
+    split = accumulate_gradients(model, [collate([s], pad) for s in samples], "fp32")
+    grads_split = gradients(model)
+
+    assert split.num_targets == whole.num_targets
+    assert split.loss == pytest.approx(whole.loss, abs=1e-5)
+    for name, grad in grads_whole.items():
+        torch.testing.assert_close(grads_split[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_loss_is_the_mean_over_target_tokens_not_a_mean_of_means(tokenizer):
+    samples = samples_of_different_lengths(tokenizer, 4)
+    model = tiny_llama(tokenizer)
+    batches = [collate([s], tokenizer.pad_token_id) for s in samples]
+    result = accumulate_gradients(model, batches, "fp32")
+    per_batch_sums, counts = [], []
+    with torch.no_grad():
+        for batch in batches:
+            logits = model(input_ids=batch.input_ids).logits
+            per_batch_sums.append(
+                torch.nn.functional.cross_entropy(logits[0], batch.targets[0], ignore_index=-100, reduction="sum")
+            )
+            counts.append(batch.num_targets)
+    token_mean = float(sum(per_batch_sums) / sum(counts))
+    mean_of_means = float(sum(s / c for s, c in zip(per_batch_sums, counts, strict=True)) / len(counts))
+    assert result.loss == pytest.approx(token_mean, rel=1e-5)
+    assert abs(token_mean - mean_of_means) > 1e-3  # the two definitions really differ on this data
+
+
+def test_clipping_reports_the_norm_before_clipping(tokenizer):
+    model = tiny_llama(tokenizer)
+    accumulate_gradients(model, [collate(samples_of_different_lengths(tokenizer, 2), tokenizer.pad_token_id)], "fp32")
+    expected = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    reported = clip_gradients(model, max_norm=expected / 10)
+    assert reported == pytest.approx(expected, rel=1e-5)
+    after = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    assert after == pytest.approx(expected / 10, rel=1e-4)
+
+
+def test_bf16_autocast_runs_on_cpu_and_stays_close_to_fp32(tokenizer):
+    samples = samples_of_different_lengths(tokenizer, 2)
+    batch = collate(samples, tokenizer.pad_token_id)
+    fp32 = accumulate_gradients(tiny_llama(tokenizer), [batch], "fp32").loss
+    bf16 = accumulate_gradients(tiny_llama(tokenizer), [batch], "bf16").loss
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+
+
+def test_cosine_schedule_values():
+    schedule = LRSchedule(peak=1e-3, min_lr=1e-4, total_steps=110, warmup_steps=10, kind="cosine")
+    assert schedule(1) == pytest.approx(1e-4)
+    assert schedule(5) == pytest.approx(5e-4)
+    assert schedule(10) == pytest.approx(1e-3)
+    assert schedule(60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # halfway through decay
+    assert schedule(35) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert schedule(110) == pytest.approx(1e-4)
+
+
+def test_linear_and_constant_schedules():
+    linear = LRSchedule(peak=2.0, min_lr=0.0, total_steps=20, warmup_steps=0, kind="linear")
+    assert [linear(s) for s in (1, 10, 20)] == pytest.approx([1.9, 1.0, 0.0])
+    constant = LRSchedule(peak=2.0, min_lr=0.0, total_steps=20, warmup_steps=4, kind="constant")
+    assert [constant(s) for s in (1, 4, 5, 20)] == pytest.approx([0.5, 2.0, 2.0, 2.0])
+
+
+def test_warmup_from_ratio_or_steps():
+    assert resolve_warmup(1000, 0.03, None) == 30
+    assert resolve_warmup(10, 0.03, None) == 1
+    assert resolve_warmup(1000, 0.03, 7) == 7
+    assert resolve_warmup(5, 0.0, 50) == 5
+
+
+def test_last_step_of_an_epoch_takes_the_remainder():
+    assert steps_per_epoch(16, 4) == 4
+    assert steps_per_epoch(17, 4) == 5
