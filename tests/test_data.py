@@ -129,3 +129,11 @@ def test_epoch_order_depends_only_on_seed_and_epoch(tokenizer, tmp_path):
     assert order == [o for b in batches.epoch(0) for o in b.origins]
     assert order != [o for b in batches.epoch(1) for o in b.origins]
     assert len(batches) == 4
+
+
+def test_an_inline_custom_template_renders_like_a_built_in_one(tokenizer):
+    from tuneforge.config.schema import TemplateConfig
+
+    template = get_template(TemplateConfig(instruction="Q: {input}\nA: ", sep="\n", suffix="!"))
+    [sample], _ = tokenize_conversations([parse_messages(chat("hi", "ok"), "m:1")], tokenizer, template, 512)
+    assert labelled_text(tokenizer, sample) == ("<s>Q: hi\nA: ok!</s>\n", "ok!</s>")

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
+from tuneforge.config.schema import TemplateConfig
 from tuneforge.data.conversation import Message
 from tuneforge.data.templates import get_template
 from tuneforge.errors import UserError
@@ -30,10 +31,10 @@ def run_chat(
     checkpoint: Path, prompt: str | None, system: str | None, template_name: str | None, max_new_tokens: int
 ) -> None:
     model, tokenizer, meta = load_for_chat(checkpoint)
-    name = template_name or meta.get("template")
-    if name is None:
+    spec = template_name or meta.get("template")
+    if spec is None:
         raise UserError(f"{checkpoint}: no tuneforge.json naming the chat template; pass --template NAME")
-    template = get_template(name)
+    template = get_template(TemplateConfig.model_validate(spec) if isinstance(spec, dict) else spec)
     system = system if system is not None else meta.get("system")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 

@@ -54,13 +54,35 @@ class ModelConfig(Section):
         return self
 
 
+class TemplateConfig(Section):
+    """A custom prompt template, with the same meaning as xtuner's PROMPT_TEMPLATE entries."""
+
+    system: str = "{system}\n"
+    """Text placed before the first user turn when there is a system prompt; `{system}` is replaced."""
+
+    instruction: str = "{input}"
+    """Text of each user turn; `{input}` is the user message, `{round}` the 1-based turn number."""
+
+    suffix: str = ""
+    """Appended to each assistant reply (trained with it)."""
+
+    suffix_as_eos: bool = False
+    """The suffix ends the reply instead of the tokenizer's EOS token."""
+
+    sep: str = ""
+    """Untrained text after each turn."""
+
+    stop_words: list[str] = Field(default_factory=list)
+    """Extra strings that end generation (the EOS token always does)."""
+
+
 class DataConfig(Section):
     train_files: list[str] = Field(min_length=1)
     """Training files in the OpenAI `messages` JSONL format; relative paths are resolved
     against the config file's directory."""
 
-    template: str = "deepseek_coder"
-    """Chat template used to render conversations (see `tuneforge.data.templates`)."""
+    template: str | TemplateConfig = "deepseek_coder"
+    """Chat template: a built-in name (see `tuneforge.data.templates`) or an inline custom template."""
 
     system: str | None = None
     """System prompt given to conversations that have none (None: leave them without)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tuneforge.config.schema import TemplateConfig
 from tuneforge.data.conversation import Conversation, Message
 from tuneforge.errors import UserError
 
@@ -48,7 +49,11 @@ TEMPLATES: dict[str, Template] = {
 }
 
 
-def get_template(name: str) -> Template:
+def get_template(spec: str | TemplateConfig) -> Template:
+    """A built-in template by name, or a custom one from the config."""
+    if isinstance(spec, TemplateConfig):
+        return Template(**{**spec.model_dump(), "stop_words": tuple(spec.stop_words)})
+    name = spec
     if name not in TEMPLATES:
         raise UserError(f"data.template: unknown template {name!r}; built-in: {', '.join(sorted(TEMPLATES))}")
     return TEMPLATES[name]

@@ -115,7 +115,8 @@ class Trainer:
             self.total_steps, train.gradient_accumulation, cfg.log.progress, cfg.log.every_steps
         )
         self.checkpoints_dir = work_dir / "checkpoints"
-        self.chat_meta = {"template": cfg.data.template, "system": cfg.data.system}
+        data = cfg.data.model_dump(mode="json")
+        self.chat_meta = {"template": data["template"], "system": data["system"]}
 
     def run(self) -> list[dict]:
         cfg, model = self.cfg, self.model
