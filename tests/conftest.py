@@ -43,3 +43,57 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 def chat(user: str, assistant: str, **extra) -> dict:
     return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant, **extra}]}
+
+
+def tokenized(tokenizer, records: list[dict], template: str = "deepseek_coder", max_length: int = 1024, **data):
+    """Records -> TokenizedData through the real format converters and template; asserts nothing is dropped."""
+    from tuneforge.config.schema import DataConfig
+    from tuneforge.data.formats import detect_format, to_conversation
+    from tuneforge.data.report import DropLog
+    from tuneforge.data.templates import get_template
+    from tuneforge.data.tokenize import TokenizedData, tokenize
+
+    cfg = DataConfig(train_files=["mem"], template=template, max_length=max_length, **data)
+    conversations = [to_conversation(r, detect_format(r), f"mem:{i + 1}") for i, r in enumerate(records)]
+    drops = DropLog()
+    kept, _ = tokenize(conversations, tokenizer, get_template(cfg.template), max_length, cfg.truncation, None, drops)
+    assert drops.total == 0, drops
+    return TokenizedData.from_samples(kept)
+
+
+def rows_batch(data, indices: list[int], pad_id: int):
+    """One unpacked micro-batch of the given samples."""
+    from tuneforge.data.batching import collate
+
+    return collate(data, [[i] for i in indices], pad_id, packed=False)
+
+
+def tiny_deepseek_v2(tokenizer, seed: int = 0, attn_implementation: str = "sdpa"):
+    """A tiny DeepseekV2 (MLA attention, routed + shared experts, first layer dense), native transformers code."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    config._attn_implementation = attn_implementation
+    return DeepseekV2ForCausalLM(config)

@@ -28,23 +28,24 @@ PROMPT = "Convert #ff8800 to RGB."
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     work_dir = tmp_path_factory.mktemp("demo")
+    overrides = [*OVERRIDES, f"data.cache_dir={work_dir / 'cache'}"]
     result = subprocess.run(
-        [TUNEFORGE, "train", str(REPO / "configs" / "demo.yaml"), *OVERRIDES, "--work-dir", str(work_dir)],
+        [TUNEFORGE, "train", str(REPO / "configs" / "demo.yaml"), *overrides, "--work-dir", str(work_dir)],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    return work_dir, result.stdout
+    return work_dir, result.stdout, overrides
 
 
 def test_resolved_config_is_written(demo_run):
-    work_dir, _ = demo_run
-    assert load_config(work_dir / "config.yaml") == load_config(REPO / "configs" / "demo.yaml", OVERRIDES)
+    work_dir, _, overrides = demo_run
+    assert load_config(work_dir / "config.yaml") == load_config(REPO / "configs" / "demo.yaml", overrides)
 
 
 def test_metrics_have_one_record_per_step_and_the_loss_falls(demo_run):
-    work_dir, _ = demo_run
+    work_dir, _, _ = demo_run
     records = [json.loads(line) for line in (work_dir / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == list(range(1, 41))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"):
@@ -55,7 +56,7 @@ def test_metrics_have_one_record_per_step_and_the_loss_falls(demo_run):
 
 
 def test_checkpoints_are_hugging_face_directories(demo_run):
-    work_dir, _ = demo_run
+    work_dir, _, _ = demo_run
     names = sorted(p.name for p in (work_dir / "checkpoints").iterdir())
     assert names == ["final", "step-20", "step-40"]
     for name in names:
@@ -64,7 +65,7 @@ def test_checkpoints_are_hugging_face_directories(demo_run):
 
 
 def test_samples_and_accuracy_are_reported(demo_run):
-    work_dir, stdout = demo_run
+    work_dir, stdout, _ = demo_run
     samples = [json.loads(line) for line in (work_dir / "samples.jsonl").open()]
     assert sorted({s["step"] for s in samples}) == [20, 40]
     result = json.loads((work_dir / "eval.json").read_text())
@@ -74,7 +75,7 @@ def test_samples_and_accuracy_are_reported(demo_run):
 
 
 def test_chat_answers_from_the_checkpoint_like_the_final_sample(demo_run):
-    work_dir, _ = demo_run
+    work_dir, _, _ = demo_run
     result = subprocess.run(
         [TUNEFORGE, "chat", str(work_dir / "checkpoints" / "final"), "--prompt", PROMPT, "--max-new-tokens", "24"],
         capture_output=True,

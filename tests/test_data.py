@@ -1,62 +1,93 @@
-"""Conversations, the template, labels and batching on the local byte tokenizer."""
+"""Formats, templates, labels, truncation and the byte tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
-from tuneforge.data.batching import EpochBatches, collate
-from tuneforge.data.conversation import load_conversations, parse_messages
-from tuneforge.data.templates import get_template, render
-from tuneforge.data.tokenize import IGNORE_INDEX, tokenize_conversations
+from tuneforge.config.schema import TemplateConfig
+from tuneforge.data.byte_tokenizer import build_byte_tokenizer
+from tuneforge.data.conversation import Conversation, SampleError, Turn
+from tuneforge.data.formats import detect_format, to_conversation
+from tuneforge.data.templates import IGNORE_INDEX, get_template
 from tuneforge.errors import UserError
 
-from conftest import chat, write_jsonl
-
-TEMPLATE = get_template("deepseek_coder")
+from conftest import chat, tokenized
 
 
-def labelled_text(tokenizer, sample) -> tuple[str, str]:
-    """(whole text, the trained part) of a tokenized sample."""
-    trained = [t for t, label in zip(sample.input_ids, sample.labels, strict=True) if label != IGNORE_INDEX]
-    return tokenizer.decode(sample.input_ids), tokenizer.decode(trained)
+def trained_text(tokenizer, data, index: int = 0) -> tuple[str, str]:
+    """(whole text, trained text) of a tokenized sample."""
+    ids, labels = data.sample(index)
+    trained = [int(t) for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX]
+    return tokenizer.decode(ids.tolist()), tokenizer.decode(trained)
 
 
-def test_byte_tokenizer_round_trips_any_text(tokenizer):
-    text = "Convert #0066ee to RGB. 写一个 Python 函数 ✓"
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert tokenizer.decode(ids) == text
-    assert len(tokenizer) == 260
-
-
-def test_deepseek_coder_renders_xtuner_layout(tokenizer):
-    conv = parse_messages(
-        {
-            "messages": [
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello"},
-                {"role": "user", "content": "Bye"},
-                {"role": "assistant", "content": "Ciao"},
-            ]
-        },
-        "mem:1",
-    )
-    text = "".join(s.text for s in render(TEMPLATE, conv, "<s>", "</s>"))
-    assert text == (
-        "<s>You are an AI programming assistant, utilizing the DeepSeek Coder model, developed by DeepSeekCompany, "
-        "and you only answer questions related to computer science. For politically sensitive questions, security "
-        "and privacy issues, and other non-computer science questions, you will refuse to answer. Be brief.\n"
-        "### Instruction:\nHi\n### Response:\nHello</s>\n"
+TWO_TURNS = Conversation(
+    (Turn("Hi", "Hello", True, "Be brief."), Turn("Bye", "Ciao", True)),
+    "mem:1",
+)
+DEEPSEEK_CODER_SYSTEM = (
+    "You are an AI programming assistant, utilizing the DeepSeek Coder model, developed by DeepSeekCompany, "
+    "and you only answer questions related to computer science. For politically sensitive questions, security "
+    "and privacy issues, and other non-computer science questions, you will refuse to answer. "
+)
+CHATML = (
+    "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    "Hello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\nCiao<|im_end|>\n"
+)
+INST = "<s>[INST] Be brief. [/INST]\n[INST] Hi [/INST]Hello</s>\n<s>[INST] Bye [/INST]Ciao</s>\n"
+EXPECTED = {
+    "deepseek_coder": (
+        f"<s>{DEEPSEEK_CODER_SYSTEM}Be brief.\n### Instruction:\nHi\n### Response:\nHello</s>\n"
         "<s>### Instruction:\nBye\n### Response:\nCiao</s>\n"
+    ),
+    "deepseek_v2": (
+        "<s>Be brief.\n\nUser: Hi\n\nAssistant: Hello<｜end▁of▁sentence｜>User: Bye\n\nAssistant: "
+        "Ciao<｜end▁of▁sentence｜>"
+    ),
+    "llama3_chat": (
+        "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        "Hello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nCiao<|eot_id|>"
+    ),
+    "qwen_chat": CHATML,
+    "internlm2_chat": CHATML,
+    "mistral": INST,
+    "mixtral": INST,
+    "zephyr": (
+        "<s><|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello</s>\n<s><|user|>\nBye\n<|assistant|>\nCiao</s>\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_built_in_template_renders_xtuner_text(tokenizer, name):
+    assert get_template(name).render(TWO_TURNS, tokenizer, None) == EXPECTED[name]
+
+
+def test_every_built_in_template_has_a_literal_test():
+    from tuneforge.data.templates import BUILT_IN
+
+    assert set(BUILT_IN) == set(EXPECTED)
+
+
+def test_generation_prompt_ends_where_the_reply_starts(tokenizer):
+    prompt = Conversation((Turn("Hi", None, True, "Be brief."),), "<prompt>")
+    text = get_template("qwen_chat").render(prompt, tokenizer, None)
+    assert text == "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_replies_and_their_eos_are_trained_and_prompts_are_not(tokenizer):
+    data = tokenized(tokenizer, [chat("Convert #0066ee to RGB.", "(0, 102, 238)")])
+    assert trained_text(tokenizer, data) == (
+        "<s>### Instruction:\nConvert #0066ee to RGB.\n### Response:\n(0, 102, 238)</s>\n",
+        "(0, 102, 238)</s>",
     )
 
 
-def test_assistant_replies_and_their_eos_are_trained(tokenizer):
-    conv = parse_messages(chat("Convert #0066ee to RGB.", "(0, 102, 238)"), "mem:1")
-    [sample], _ = tokenize_conversations([conv], tokenizer, TEMPLATE, 512)
-    text, trained = labelled_text(tokenizer, sample)
-    assert text == "<s>### Instruction:\nConvert #0066ee to RGB.\n### Response:\n(0, 102, 238)</s>\n"
-    assert trained == "(0, 102, 238)</s>"
+def test_suffix_as_eos_trains_the_suffix_instead_of_eos(tokenizer):
+    data = tokenized(tokenizer, [chat("Hi", "Hello")], template="deepseek_v2")
+    assert trained_text(tokenizer, data)[1] == "Hello<｜end▁of▁sentence｜>"
 
 
 def test_loss_false_reply_is_context_only_and_string_flags_work(tokenizer):
@@ -66,74 +97,113 @@ def test_loss_false_reply_is_context_only_and_string_flags_work(tokenizer):
             {"role": "assistant", "content": "first", "loss": "false"},
             {"role": "user", "content": "b"},
             {"role": "assistant", "content": "second", "loss": "true"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "third", "loss": False},
         ]
     }
-    [sample], _ = tokenize_conversations([parse_messages(record, "mem:1")], tokenizer, TEMPLATE, 512)
-    assert labelled_text(tokenizer, sample)[1] == "second</s>"
+    assert trained_text(tokenizer, tokenized(tokenizer, [record]))[1] == "second</s>"
 
 
-def test_over_length_and_untrained_samples_are_dropped_and_counted(tokenizer):
-    conversations = [
-        parse_messages(chat("short", "ok"), "f.jsonl:1"),
-        parse_messages(chat("x" * 300, "ok"), "f.jsonl:2"),
-        parse_messages(chat("y", "no", loss=False), "f.jsonl:3"),
-    ]
-    samples, report = tokenize_conversations(conversations, tokenizer, TEMPLATE, 100)
-    assert [s.origin for s in samples] == ["f.jsonl:1"]
-    assert (report.kept, report.dropped_too_long, report.dropped_no_target) == (1, 1, 1)
-    assert report.longest_dropped.startswith("f.jsonl:2 (")
+def test_default_system_applies_only_without_one(tokenizer):
+    template = get_template(TemplateConfig(system="S:{system}|", instruction="U:{input}|"))
+    plain = Conversation((Turn("q", "a"),), "m")
+    assert template.render(plain, tokenizer, "dflt") == "<s>S:dflt|U:q|a</s>"
+    assert template.render(TWO_TURNS, tokenizer, "dflt").startswith("<s>S:Be brief.|U:Hi|")
+
+
+def test_an_inline_custom_template(tokenizer):
+    data = tokenized(tokenizer, [chat("hi", "ok")], template=TemplateConfig(instruction="Q: {input}\nA: ", sep="\n"))
+    assert trained_text(tokenizer, data) == ("<s>Q: hi\nA: ok</s>\n", "ok</s>")
+
+
+CHATML_JINJA = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tokenizer_template_finds_trained_spans_by_rendering():
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = CHATML_JINJA
+    record = {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Ciao", "loss": False},
+        ]
+    }
+    data = tokenized(tokenizer, [record], template="tokenizer")
+    text, trained = trained_text(tokenizer, data)
+    assert text == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\nCiao<|im_end|>\n"
+    )
+    assert trained == "Hello<|im_end|>\n"
+
+
+def test_tokenizer_template_that_rewrites_history_is_refused():
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = "{{ messages[-1]['content'] }}"
+    with pytest.raises(UserError, match="does not render a conversation as the extension of its prefix"):
+        tokenized(tokenizer, [chat("Hi", "Hello")], template="tokenizer")
+
+
+def test_sharegpt_and_alpaca_convert_to_the_same_turns():
+    sharegpt = {"system": "S", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    alpaca = {"instruction": "q", "input": "", "output": "a", "system": "S"}
+    openai = {
+        "messages": [{"role": "system", "content": "S"}, chat("q", "a")["messages"][0], chat("q", "a")["messages"][1]]
+    }
+    turns = [to_conversation(r, detect_format(r), "m").turns for r in (sharegpt, alpaca, openai)]
+    assert turns[0] == turns[1] == turns[2] == (Turn("q", "a", True, "S"),)
+    with_input = {"instruction": "Translate", "input": "hola", "output": "hello"}
+    assert to_conversation(with_input, "alpaca", "m").turns[0].user == "Translate\nhola"
 
 
 @pytest.mark.parametrize(
-    ("line", "message"),
+    ("record", "reason"),
     [
-        ('{"messages": [{"role": "user", "content": "a"}', "f.jsonl:2: not valid JSON"),
-        ('{"messages": [{"role": "robot", "content": "a"}]}', "f.jsonl:2: messages[0]: role must be one of"),
-        ('{"messages": [{"role": "user", "content": "a"}]}', "f.jsonl:2: a conversation must end with an assistant"),
-        ('{"messages": [{"role": "assistant", "content": "a"}]}', "f.jsonl:2: messages[0] has role 'assistant'"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role"),
+        ({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}, "missing content"),
+        ({"messages": []}, "empty conversation"),
+        ({"messages": [{"role": "system", "content": "s"}]}, "empty conversation"),
+        ({"messages": [{"role": "user", "content": "q"}]}, "ends on a user turn"),
+        ({"messages": [{"role": "assistant", "content": "a"}]}, "assistant without a user turn"),
         (
-            '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "loss": "maybe"}]}',
-            "f.jsonl:2: messages[1]: `loss` must be true or false",
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "loss": "maybe"}]},
+            "invalid loss flag",
         ),
-        ('{"text": "hello"}', 'f.jsonl:2: expected an object with a "messages" list'),
+        ({"messages": "hello"}, "malformed record"),
+        ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown role"),
+        ({"instruction": "", "output": "x"}, "missing content"),
     ],
 )
-def test_bad_records_name_file_and_line(tmp_path, line, message):
-    path = tmp_path / "f.jsonl"
-    path.write_text(
-        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n' + line + "\n"
+def test_unusable_records_raise_a_sample_error_with_its_reason(record, reason):
+    with pytest.raises(SampleError) as info:
+        to_conversation(record, detect_format(record), "m")
+    assert info.value.reason == reason
+
+
+def test_truncate_keeps_whole_leading_turns(tokenizer):
+    record = {
+        "messages": [*chat("a", "one")["messages"], *chat("b", "two")["messages"], *chat("c", "three")["messages"]]
+    }
+    full = tokenized(tokenizer, [record])
+    two_turns = len(
+        tokenizer(
+            "<s>### Instruction:\na\n### Response:\none</s>\n<s>### Instruction:\nb\n### Response:\ntwo</s>\n",
+            add_special_tokens=False,
+        )["input_ids"]
     )
-    with pytest.raises(UserError) as info:
-        load_conversations([str(path)])
-    assert str(info.value).startswith(str(tmp_path / message))
+    cut = tokenized(tokenizer, [record], max_length=two_turns + 3, truncation="truncate")
+    assert int(full.lengths[0]) > two_turns
+    assert int(cut.lengths[0]) == two_turns
+    assert trained_text(tokenizer, cut)[1] == "one</s>two</s>"
 
 
-def test_collate_shifts_targets_and_masks_padding(tokenizer):
-    convs = [parse_messages(chat("a", "bc"), "m:1"), parse_messages(chat("long question", "d"), "m:2")]
-    samples, _ = tokenize_conversations(convs, tokenizer, TEMPLATE, 512)
-    batch = collate(samples, tokenizer.pad_token_id)
-    short = len(samples[0].input_ids)
-    assert batch.attention_mask[0].sum() == short
-    assert batch.input_ids[0, short:].eq(tokenizer.pad_token_id).all()
-    assert batch.targets[0, : short - 1].tolist() == samples[0].labels[1:]
-    assert batch.targets[0, short - 1 :].eq(IGNORE_INDEX).all()
-    assert batch.num_targets == 3 + 2  # "b", "c", EOS and "d", EOS
-
-
-def test_epoch_order_depends_only_on_seed_and_epoch(tokenizer, tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [chat(f"q{i}", f"a{i}") for i in range(10)])
-    samples, _ = tokenize_conversations(load_conversations([str(path)]), tokenizer, TEMPLATE, 512)
-    batches = EpochBatches(samples, 3, tokenizer.pad_token_id, shuffle=True, seed=7)
-    order = [o for b in batches.epoch(0) for o in b.origins]
-    assert sorted(order) == sorted(s.origin for s in samples)
-    assert order == [o for b in batches.epoch(0) for o in b.origins]
-    assert order != [o for b in batches.epoch(1) for o in b.origins]
-    assert len(batches) == 4
-
-
-def test_an_inline_custom_template_renders_like_a_built_in_one(tokenizer):
-    from tuneforge.config.schema import TemplateConfig
-
-    template = get_template(TemplateConfig(instruction="Q: {input}\nA: ", sep="\n", suffix="!"))
-    [sample], _ = tokenize_conversations([parse_messages(chat("hi", "ok"), "m:1")], tokenizer, template, 512)
-    assert labelled_text(tokenizer, sample) == ("<s>Q: hi\nA: ok!</s>\n", "ok!</s>")
+def test_byte_tokenizer_round_trips_any_text(tokenizer):
+    text = "Convert #0066ee to RGB. 写一个 Python 函数 ✓"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+    assert len(tokenizer) == 260

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tuneforge.data.conversation import Message
+from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.templates import get_template
 from tuneforge.generate import generate_replies
 from tuneforge.train.checkpoint import prune_checkpoints, read_chat_meta, save_checkpoint, step_checkpoints
@@ -16,7 +16,7 @@ PROMPTS = ["Hi", "A much longer prompt than the first one", "Mid-sized prompt"]
 
 
 def histories():
-    return [[Message("user", p, False)] for p in PROMPTS]
+    return [prompt_conversation([], p) for p in PROMPTS]
 
 
 def test_batched_generation_equals_one_prompt_at_a_time(tokenizer):

@@ -7,23 +7,16 @@ import math
 import pytest
 import torch
 
-from tuneforge.data.batching import collate
-from tuneforge.data.conversation import parse_messages
-from tuneforge.data.templates import get_template
-from tuneforge.data.tokenize import tokenize_conversations
 from tuneforge.train.loop import accumulate_gradients, clip_gradients, steps_per_epoch
 from tuneforge.train.schedule import LRSchedule, resolve_warmup
 
-from conftest import chat, tiny_llama
+from conftest import chat, rows_batch, tiny_llama, tokenized
 
 
 def samples_of_different_lengths(tokenizer, count: int = 8):
-    conversations = [
-        parse_messages(chat("q" * (3 + 7 * i), "answer " * (1 + (i * 5) % 11)), f"mem:{i}") for i in range(count)
-    ]
-    samples, _ = tokenize_conversations(conversations, tokenizer, get_template("deepseek_coder"), 1024)
-    assert len({len(s.input_ids) for s in samples}) == count
-    return samples
+    data = tokenized(tokenizer, [chat("q" * (3 + 7 * i), "answer " * (1 + (i * 5) % 11)) for i in range(count)])
+    assert len(set(data.lengths.tolist())) == count
+    return data
 
 
 def gradients(model) -> dict[str, torch.Tensor]:
@@ -31,15 +24,15 @@ def gradients(model) -> dict[str, torch.Tensor]:
 
 
 def test_batch_of_8_equals_8_micro_batches_of_1(tokenizer):
-    samples = samples_of_different_lengths(tokenizer)
+    data = samples_of_different_lengths(tokenizer)
     pad = tokenizer.pad_token_id
 
     model = tiny_llama(tokenizer)
-    whole = accumulate_gradients(model, [collate(samples, pad)], "fp32")
+    whole = accumulate_gradients(model, [rows_batch(data, list(range(8)), pad)], "fp32")
     grads_whole = gradients(model)
 
     model = tiny_llama(tokenizer)
-    split = accumulate_gradients(model, [collate([s], pad) for s in samples], "fp32")
+    split = accumulate_gradients(model, [rows_batch(data, [i], pad) for i in range(8)], "fp32")
     grads_split = gradients(model)
 
     assert split.num_targets == whole.num_targets
@@ -49,9 +42,9 @@ def test_batch_of_8_equals_8_micro_batches_of_1(tokenizer):
 
 
 def test_loss_is_the_mean_over_target_tokens_not_a_mean_of_means(tokenizer):
-    samples = samples_of_different_lengths(tokenizer, 4)
+    data = samples_of_different_lengths(tokenizer, 4)
     model = tiny_llama(tokenizer)
-    batches = [collate([s], tokenizer.pad_token_id) for s in samples]
+    batches = [rows_batch(data, [i], tokenizer.pad_token_id) for i in range(4)]
     result = accumulate_gradients(model, batches, "fp32")
     per_batch_sums, counts = [], []
     with torch.no_grad():
@@ -69,7 +62,8 @@ def test_loss_is_the_mean_over_target_tokens_not_a_mean_of_means(tokenizer):
 
 def test_clipping_reports_the_norm_before_clipping(tokenizer):
     model = tiny_llama(tokenizer)
-    accumulate_gradients(model, [collate(samples_of_different_lengths(tokenizer, 2), tokenizer.pad_token_id)], "fp32")
+    batch = rows_batch(samples_of_different_lengths(tokenizer, 2), [0, 1], tokenizer.pad_token_id)
+    accumulate_gradients(model, [batch], "fp32")
     expected = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
     reported = clip_gradients(model, max_norm=expected / 10)
     assert reported == pytest.approx(expected, rel=1e-5)
@@ -78,8 +72,7 @@ def test_clipping_reports_the_norm_before_clipping(tokenizer):
 
 
 def test_bf16_autocast_runs_on_cpu_and_stays_close_to_fp32(tokenizer):
-    samples = samples_of_different_lengths(tokenizer, 2)
-    batch = collate(samples, tokenizer.pad_token_id)
+    batch = rows_batch(samples_of_different_lengths(tokenizer, 2), [0, 1], tokenizer.pad_token_id)
     fp32 = accumulate_gradients(tiny_llama(tokenizer), [batch], "fp32").loss
     bf16 = accumulate_gradients(tiny_llama(tokenizer), [batch], "bf16").loss
     assert bf16 == pytest.approx(fp32, rel=2e-2)

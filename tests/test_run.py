@@ -19,6 +19,7 @@ model:
   tokenizer: bytes
 data:
   train_files: [train.jsonl]
+  cache_dir: null
 train:
   lr: 1.0e-3
   micro_batch_size: 3
@@ -52,6 +53,12 @@ def test_same_seed_gives_the_same_losses_and_another_seed_does_not(config_file, 
     assert len(first) == 6
     assert first == losses(tmp_path / "b")
     assert first != losses(tmp_path / "c")
+
+
+def test_packed_training_runs_and_reports_padding(config_file, tmp_path, capsys):
+    run_training(load_config(config_file, ["data.packing=true", "data.max_length=128"]), tmp_path / "p")
+    assert all(loss > 0 for loss in losses(tmp_path / "p"))
+    assert "padding per epoch: random" in capsys.readouterr().out
 
 
 def test_a_typo_in_model_size_is_named(config_file, tmp_path):

@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from tuneforge.config.schema import TemplateConfig
-from tuneforge.data.conversation import Message
+from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.templates import get_template
 from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
@@ -17,6 +18,7 @@ from tuneforge.train.checkpoint import read_chat_meta
 
 
 def load_for_chat(checkpoint: Path):
+    transformers.utils.logging.disable_progress_bar()
     if not (checkpoint / "config.json").exists():
         raise UserError(
             f"{checkpoint}: not a model checkpoint (no config.json); pass a checkpoints/step-N or "
@@ -38,14 +40,15 @@ def run_chat(
     system = system if system is not None else meta.get("system")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
-    def answer(history: list[Message]) -> str:
-        return generate_replies(model, tokenizer, template, [history], system, max_new_tokens, streamer=streamer)[0]
+    def answer(history: list[tuple[str, str]], user: str) -> str:
+        prompts = [prompt_conversation(history, user)]
+        return generate_replies(model, tokenizer, template, prompts, system, max_new_tokens, streamer=streamer)[0]
 
     if prompt is not None:
-        answer([Message("user", prompt, False)])
+        answer([], prompt)
         return
     print("Chatting with", checkpoint, "(empty line or Ctrl-D to quit, /reset to start over)")
-    history: list[Message] = []
+    history: list[tuple[str, str]] = []
     while True:
         try:
             text = input("> ")
@@ -57,7 +60,5 @@ def run_chat(
         if text.strip() == "/reset":
             history = []
             continue
-        history.append(Message("user", text, False))
-        reply = answer(history)
-        history.append(Message("assistant", reply, False))
+        history.append((text, answer(history, text)))
         sys.stdout.flush()

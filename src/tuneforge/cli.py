@@ -53,6 +53,26 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--template", help="chat template name (default: the one used in training)")
     chat.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit (default 256)")
 
+    data = commands.add_parser("data", help="check or preview the training data of a config")
+    data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    check = data_commands.add_parser(
+        "check",
+        help="report samples read, dropped by reason, lengths and padding; exit 1 if nothing trains",
+        epilog="example:\n  tuneforge data check configs/demo.yaml data.max_length=32",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument("config", type=Path, help="YAML config file")
+    check.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    preview = data_commands.add_parser(
+        "preview",
+        help="show rendered samples with the trained tokens highlighted",
+        epilog="example:\n  tuneforge data preview configs/demo.yaml -n 3 | less",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    preview.add_argument("config", type=Path, help="YAML config file")
+    preview.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    preview.add_argument("-n", type=int, default=3, help="how many samples (default 3)")
+
     commands.add_parser(
         "config-docs",
         help="list every config key with its default and meaning",
@@ -72,13 +92,43 @@ def _train(args: argparse.Namespace) -> None:
     run_training(config, work_dir)
 
 
+def _data(args: argparse.Namespace) -> int:
+    from tuneforge.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    from rich.console import Console
+
+    from tuneforge.data.loader import padding_by_strategy
+    from tuneforge.data.pipeline import prepare_data
+    from tuneforge.data.preview import show
+    from tuneforge.data.report import format_report
+    from tuneforge.data.templates import get_template
+    from tuneforge.model.build import build_tokenizer
+
+    tokenizer = build_tokenizer(config.model)
+    prepared = prepare_data(config.data, tokenizer, get_template(config.data.template))
+    if args.data_command == "preview":
+        show(tokenizer, prepared.train.data, args.n, Console(highlight=False))
+        return 0
+    for split in (prepared.train, prepared.validation):
+        if split is not None:
+            split.report.padding = padding_by_strategy(
+                split.data, config.train.micro_batch_size, config.data.max_length
+            )
+            print("\n".join(format_report(split.report)))
+    if len(prepared.train.data) == 0:
+        print("error: no trainable samples remain; see the reasons above", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # Overrides may come after options too (`train cfg.yaml --work-dir d a.b=1`): collect the rest.
     args, rest = parser.parse_known_args(argv)
-    if rest and (args.command != "train" or any("=" not in r or r.startswith("-") for r in rest)):
+    if rest and (args.command not in ("train", "data") or any("=" not in r or r.startswith("-") for r in rest)):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "train":
+    if args.command in ("train", "data"):
         args.overrides = [*args.overrides, *rest]
     try:
         if args.command == "train":
@@ -87,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             from tuneforge.chat import run_chat
 
             run_chat(args.checkpoint, args.prompt, args.system, args.template, args.max_new_tokens)
+        elif args.command == "data":
+            return _data(args)
         elif args.command == "config-docs":
             from tuneforge.config.load import describe_fields
 

@@ -105,6 +105,7 @@ def _format_errors(exc: ValidationError, path: Path, root: yaml.Node | None, ove
 def _resolve_paths(config: Config, base: Path) -> Config:
     """Data paths are relative to the config file; model paths only when such a directory exists."""
     config.data.train_files = [str((base / f).resolve()) for f in config.data.train_files]
+    config.data.validation_files = [str((base / f).resolve()) for f in config.data.validation_files]
     if config.eval.exact_match is not None:
         config.eval.exact_match.file = str((base / config.eval.exact_match.file).resolve())
     for field in ("path", "tokenizer"):

@@ -78,20 +78,58 @@ class TemplateConfig(Section):
 
 class DataConfig(Section):
     train_files: list[str] = Field(min_length=1)
-    """Training files in the OpenAI `messages` JSONL format; relative paths are resolved
-    against the config file's directory."""
+    """Training data: JSONL, JSON (an array), parquet files, or directories saved with `datasets`
+    (`save_to_disk`). Relative paths are resolved against the config file's directory."""
+
+    format: Literal["auto", "openai", "sharegpt", "alpaca"] = "auto"
+    """Record format; `auto` detects it per file from the first record's keys."""
+
+    split: str = "train"
+    """Split to read from a saved `DatasetDict` directory."""
+
+    validation_files: list[str] = Field(default_factory=list)
+    """Optional validation data, in the same forms as `train_files`."""
+
+    validation_fraction: float = Field(0.0, ge=0, lt=1)
+    """Hold out this fraction of the training samples for validation instead (chosen with `split_seed`)."""
+
+    split_seed: int = 0
+    """Seed of the held-out selection; independent of `train.seed` so the split stays put across runs."""
 
     template: str | TemplateConfig = "deepseek_coder"
-    """Chat template: a built-in name (see `tuneforge.data.templates`) or an inline custom template."""
+    """Chat template: a built-in name (deepseek_coder, deepseek_v2, llama3_chat, qwen_chat, internlm2_chat,
+    mistral, mixtral, zephyr), `tokenizer` for the tokenizer's own chat_template, or an inline template."""
 
     system: str | None = None
     """System prompt given to conversations that have none (None: leave them without)."""
 
     max_length: int = Field(2048, gt=0)
-    """Longest tokenized sample; longer samples are dropped, counted and reported."""
+    """Longest tokenized sample, and the row length when packing."""
 
-    shuffle: bool = True
-    """Shuffle samples each epoch (seeded by `train.seed` and the epoch)."""
+    truncation: Literal["drop", "truncate"] = "drop"
+    """Over-length samples: `drop` them, or `truncate` to the whole leading turns that fit. Both are counted."""
+
+    packing: bool = False
+    """Pack samples into rows of `max_length` (best-fit decreasing); attention stays within each sample."""
+
+    group_by_length: bool = True
+    """Without packing, batch samples of similar length together to limit padding."""
+
+    on_error: Literal["raise", "skip"] = "raise"
+    """A malformed JSON line: stop with its location (`raise`), or drop and count it (`skip`)."""
+
+    cache_dir: str | None = "~/.cache/tuneforge/data"
+    """Tokenized data is cached here under a fingerprint of the files' content and every setting that
+    affects tokenization, so a second run starts at once. None disables the cache."""
+
+    preprocess_timeout_s: float = Field(3600.0, gt=0)
+    """In a multi-process run, how long other ranks wait for rank 0 to preprocess the data."""
+
+    @model_validator(mode="after")
+    def _one_validation_source(self) -> DataConfig:
+        if self.validation_files and self.validation_fraction:
+            raise ValueError("set `data.validation_files` or `data.validation_fraction`, not both")
+        return self
 
 
 class TrainConfig(Section):

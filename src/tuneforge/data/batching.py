@@ -1,21 +1,41 @@
-"""Samples -> padded micro-batches with shifted targets, in a seeded order per epoch."""
+"""Micro-batch plans (random, length-grouped, packed), equal shards per rank, and collation.
+
+A plan is a list of micro-batches; a micro-batch is a list of rows; a row is a list of sample
+indices (one sample, or several when packed). The order depends only on (seed, epoch), so runs
+reproduce, and every rank gets the same number of micro-batches, so no rank waits in a
+collective that another never enters.
+"""
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from tuneforge.data.tokenize import IGNORE_INDEX, TokenizedSample
+from tuneforge.data.templates import IGNORE_INDEX
+from tuneforge.data.tokenize import TokenizedData
+
+Plan = list[list[list[int]]]
+GROUP_WINDOW = 64
+"""Length grouping sorts windows of this many micro-batches, so batches stay random across the epoch."""
 
 
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    """1 for real tokens, 0 for padding."""
     targets: torch.Tensor
     """`targets[b, t]` is the token to predict after position t (already shifted), or -100."""
+    position_ids: torch.Tensor
+    """Restart at 0 at the start of every sample, packed or not."""
+    sequence_ids: torch.Tensor
+    """Index of the sample within its row, -1 for padding: attention never crosses these boundaries."""
+    packed: bool
     origins: list[str]
 
     @property
@@ -27,39 +47,133 @@ class MicroBatch:
         return int(self.attention_mask.sum())
 
 
-def collate(samples: list[TokenizedSample], pad_id: int) -> MicroBatch:
-    """Right-pad to the longest sample. Shifting here keeps the loss free of boundary cases."""
-    width = max(len(s.input_ids) for s in samples)
-    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
-    targets = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        n = len(sample.input_ids)
-        input_ids[row, :n] = torch.tensor(sample.input_ids)
-        attention_mask[row, :n] = 1
-        targets[row, : n - 1] = torch.tensor(sample.labels[1:])
-    return MicroBatch(input_ids, attention_mask, targets, [s.origin for s in samples])
+def collate(data: TokenizedData, rows: list[list[int]], pad_id: int, packed: bool) -> MicroBatch:
+    """Rows are padded on the right to the longest row. Targets are shifted inside each sample."""
+    row_lengths = [int(sum(data.lengths[i] for i in row)) for row in rows]
+    width = max(row_lengths)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    targets = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    sequence_ids = torch.full(shape, -1, dtype=torch.long)
+    origins = []
+    for r, row in enumerate(rows):
+        cursor = 0
+        for s, index in enumerate(row):
+            ids, labels = data.sample(index)
+            n = len(ids)
+            input_ids[r, cursor : cursor + n] = torch.from_numpy(ids.astype(np.int64))
+            targets[r, cursor : cursor + n - 1] = torch.from_numpy(labels[1:].astype(np.int64))
+            position_ids[r, cursor : cursor + n] = torch.arange(n)
+            sequence_ids[r, cursor : cursor + n] = s
+            cursor += n
+            origins.append(data.origins[index])
+    attention_mask = (sequence_ids >= 0).long()
+    return MicroBatch(input_ids, attention_mask, targets, position_ids, sequence_ids, packed, origins)
 
 
-class EpochBatches:
-    """Micro-batches of one epoch; the order depends only on (seed, epoch), so runs reproduce."""
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Pack samples into rows of at most `capacity` tokens: longest first, each into the fullest row it fits."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (remaining capacity, row index), sorted
+    for index in order:
+        need = int(lengths[index])
+        assert need <= capacity, "samples longer than max_length are dropped or truncated before packing"
+        slot = bisect.bisect_left(free, (need, -1))
+        if slot < len(free):
+            remaining, row = free.pop(slot)
+        else:
+            remaining, row = capacity, len(rows)
+            rows.append([])
+        rows[row].append(index)
+        if remaining - need > 0:
+            bisect.insort(free, (remaining - need, row))
+    return rows
 
-    def __init__(self, samples: list[TokenizedSample], micro_batch_size: int, pad_id: int, shuffle: bool, seed: int):
-        self.samples = samples
+
+def plan_epoch(
+    lengths: np.ndarray,
+    micro_batch_size: int,
+    strategy: str,
+    seed: int,
+    epoch: int,
+    packed_rows: list[list[int]] | None = None,
+) -> Plan:
+    """`random`: shuffled samples; `grouped`: shuffled, then sorted by length within windows (less padding);
+    `packed`: the rows of `packed_rows` in shuffled order. Micro-batches hold `micro_batch_size` rows."""
+    rng = np.random.default_rng([seed, epoch])
+    if strategy == "packed":
+        assert packed_rows is not None
+        rows = [packed_rows[i] for i in rng.permutation(len(packed_rows))]
+    else:
+        order = rng.permutation(len(lengths))
+        if strategy == "grouped":
+            window = micro_batch_size * GROUP_WINDOW
+            order = (
+                np.concatenate(
+                    [sorted(order[s : s + window], key=lambda i: -lengths[i]) for s in range(0, len(order), window)]
+                )
+                if len(order)
+                else order
+            )
+        rows = [[int(i)] for i in order]
+    batches = [rows[s : s + micro_batch_size] for s in range(0, len(rows), micro_batch_size)]
+    if strategy == "grouped":
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def shard(plan: Plan, rank: int, world_size: int) -> Plan:
+    """Rank r takes micro-batches r, r+W, ...; the plan is first extended by wrapping around so that every
+    rank gets exactly ceil(len/W) micro-batches (a rank with one batch fewer would hang the others)."""
+    per_rank = math.ceil(len(plan) / world_size)
+    extended = [plan[i % len(plan)] for i in range(per_rank * world_size)]
+    return extended[rank::world_size]
+
+
+def padding_fraction(plan: Plan, lengths: np.ndarray) -> float:
+    """Share of padding tokens when each micro-batch is padded to its longest row."""
+    real = padded = 0
+    for batch in plan:
+        row_lengths = [int(sum(lengths[i] for i in row)) for row in batch]
+        real += sum(row_lengths)
+        padded += max(row_lengths) * len(row_lengths)
+    return 1.0 - real / padded if padded else 0.0
+
+
+class BatchPlanner:
+    """Micro-batches of this rank for each epoch."""
+
+    def __init__(
+        self,
+        data: TokenizedData,
+        micro_batch_size: int,
+        pad_id: int,
+        seed: int,
+        strategy: str,
+        max_length: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.data = data
         self.micro_batch_size = micro_batch_size
         self.pad_id = pad_id
-        self.shuffle = shuffle
         self.seed = seed
+        self.strategy = strategy
+        self.rank = rank
+        self.world_size = world_size
+        self.packed_rows = best_fit_decreasing(data.lengths, max_length) if strategy == "packed" else None
+
+    def plan(self, epoch: int) -> Plan:
+        whole = plan_epoch(self.data.lengths, self.micro_batch_size, self.strategy, self.seed, epoch, self.packed_rows)
+        return shard(whole, self.rank, self.world_size)
 
     def __len__(self) -> int:
-        return -(-len(self.samples) // self.micro_batch_size)
+        rows = len(self.packed_rows) if self.packed_rows is not None else len(self.data)
+        return math.ceil(math.ceil(rows / self.micro_batch_size) / self.world_size)
 
     def epoch(self, epoch: int) -> Iterator[MicroBatch]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(len(self.samples), generator=generator).tolist()
-        else:
-            order = list(range(len(self.samples)))
-        for start in range(0, len(order), self.micro_batch_size):
-            chunk = [self.samples[i] for i in order[start : start + self.micro_batch_size]]
-            yield collate(chunk, self.pad_id)
+        packed = self.strategy == "packed"
+        for rows in self.plan(epoch):
+            yield collate(self.data, rows, self.pad_id, packed)

@@ -1,80 +1,97 @@
-"""Conversations -> token ids and labels. Labels are the ids of trained tokens, -100 elsewhere."""
+"""Conversations -> token ids and labels, with the over-length policy applied, into flat arrays."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from tuneforge.data.conversation import Conversation
-from tuneforge.data.templates import Segment, Template, render
+from tuneforge.data.report import DropLog
+from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate, Encoded
 
-IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class TokenizedSample:
-    input_ids: list[int]
-    labels: list[int]
-    """Aligned with `input_ids` (not shifted): the label of a trained token is the token itself."""
-    origin: str
+TOO_LONG = "longer than data.max_length"
+NO_TARGET = "no trained tokens"
 
 
-@dataclass(frozen=True)
-class TokenizeReport:
-    kept: int
-    dropped_too_long: int
-    dropped_no_target: int
-    longest_dropped: str | None
-    """`origin (N tokens)` of the longest dropped sample, to point the user at the data."""
+@dataclass
+class TokenizedData:
+    """Samples stored back to back: sample i is `input_ids[offsets[i]:offsets[i+1]]` (labels alike, unshifted)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    offsets: np.ndarray
+    origins: list[str]
+
+    def __len__(self) -> int:
+        return len(self.origins)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        start, end = self.offsets[index], self.offsets[index + 1]
+        return self.input_ids[start:end], self.labels[start:end]
+
+    def subset(self, indices: list[int]) -> TokenizedData:
+        return TokenizedData.from_samples([(*self.sample(i), self.origins[i]) for i in indices])
+
+    @staticmethod
+    def from_samples(samples: list[tuple[np.ndarray | list[int], np.ndarray | list[int], str]]) -> TokenizedData:
+        offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+        np.cumsum([len(ids) for ids, _, _ in samples], out=offsets[1:])
+
+        def flat(column: int) -> np.ndarray:
+            parts = [np.asarray(sample[column], dtype=np.int32) for sample in samples]
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+        return TokenizedData(flat(0), flat(1), offsets, [origin for _, _, origin in samples])
 
 
-def encode_segments(
-    tokenizer: PreTrainedTokenizerBase, segments: list[list[Segment]]
-) -> list[tuple[list[int], list[int]]]:
-    """Encode every segment separately (as xtuner does), all texts in one batched call."""
-    texts = [seg.text for conv in segments for seg in conv if not seg.special]
-    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
-    results = []
-    for conv in segments:
-        ids: list[int] = []
-        labels: list[int] = []
-        for seg in conv:
-            piece = [tokenizer.convert_tokens_to_ids(seg.text)] if seg.special else next(encoded)
-            ids.extend(piece)
-            labels.extend(piece if seg.trained else [IGNORE_INDEX] * len(piece))
-        results.append((ids, labels))
-    return results
+def apply_length_policy(encoded: Encoded, max_length: int, truncation: str) -> Encoded | None:
+    """`drop`: None when too long. `truncate`: keep the longest run of whole leading turns that fits."""
+    if len(encoded.input_ids) <= max_length:
+        return encoded
+    if truncation == "drop":
+        return None
+    fitting = [end for end in encoded.turn_ends if end <= max_length]
+    if not fitting:
+        return None
+    end = fitting[-1]
+    return Encoded(encoded.input_ids[:end], encoded.labels[:end], encoded.turn_ends[: len(fitting)])
 
 
-def tokenize_conversations(
+def has_target(labels: list[int] | np.ndarray) -> bool:
+    """The first token is never predicted, so a label there alone trains nothing (and would give a NaN loss)."""
+    return any(label != IGNORE_INDEX for label in labels[1:])
+
+
+def tokenize(
     conversations: list[Conversation],
     tokenizer: PreTrainedTokenizerBase,
-    template: Template,
+    template: ChatTemplate,
     max_length: int,
-    default_system: str | None = None,
-) -> tuple[list[TokenizedSample], TokenizeReport]:
-    """Tokenize all samples; over-length samples and samples with nothing to train are dropped and counted."""
-    segments = [
-        render(template, conv, tokenizer.bos_token, tokenizer.eos_token, default_system) for conv in conversations
-    ]
-    samples, too_long, no_target = [], 0, 0
-    longest: tuple[int, str] | None = None
-    for conv, (ids, labels) in zip(conversations, encode_segments(tokenizer, segments), strict=True):
-        if len(ids) > max_length:
-            too_long += 1
-            if longest is None or len(ids) > longest[0]:
-                longest = (len(ids), conv.origin)
-            continue
-        # The first token is never predicted, so a label there alone trains nothing.
-        if all(label == IGNORE_INDEX for label in labels[1:]):
-            no_target += 1
-            continue
-        samples.append(TokenizedSample(ids, labels, conv.origin))
-    report = TokenizeReport(
-        kept=len(samples),
-        dropped_too_long=too_long,
-        dropped_no_target=no_target,
-        longest_dropped=f"{longest[1]} ({longest[0]} tokens)" if longest else None,
-    )
-    return samples, report
+    truncation: str,
+    default_system: str | None,
+    drops: DropLog,
+    chunk_size: int = 2048,
+) -> tuple[list[tuple[list[int], list[int], str]], int]:
+    """Tokenize in chunks (one batched tokenizer call each); dropped samples are counted in `drops`.
+    Returns the kept samples and how many were truncated."""
+    kept = []
+    truncated = 0
+    for start in range(0, len(conversations), chunk_size):
+        chunk = conversations[start : start + chunk_size]
+        for conversation, encoded in zip(chunk, template.encode(chunk, tokenizer, default_system), strict=True):
+            fitted = apply_length_policy(encoded, max_length, truncation)
+            if fitted is None:
+                drops.add(TOO_LONG, f"{conversation.origin} ({len(encoded.input_ids)} tokens)")
+                continue
+            truncated += fitted is not encoded
+            if not has_target(fitted.labels):
+                drops.add(NO_TARGET, conversation.origin)
+                continue
+            kept.append((fitted.input_ids, fitted.labels, conversation.origin))
+    return kept, truncated

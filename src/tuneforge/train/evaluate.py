@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tuneforge.data.conversation import load_conversations
-from tuneforge.data.templates import Template
+from tuneforge.config.schema import DataConfig
+from tuneforge.data.conversation import Conversation
+from tuneforge.data.pipeline import read_conversations
+from tuneforge.data.report import DropLog
+from tuneforge.data.templates import ChatTemplate
 from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
 
@@ -28,7 +31,7 @@ class ExactMatchResult:
 def exact_match(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    template: Template,
+    template: ChatTemplate,
     file: str,
     label: str,
     system: str | None,
@@ -38,13 +41,16 @@ def exact_match(
     on_batch: Callable[[], None] | None = None,
 ) -> ExactMatchResult:
     """Each conversation's last assistant message is the reference; everything before it is the prompt."""
-    conversations = load_conversations([file])
+    drops = DropLog()
+    conversations, _ = read_conversations(DataConfig(train_files=[file]), [file], drops)
+    if drops.total:
+        raise UserError(f"{file}: eval.exact_match.file has unusable records: {drops.examples}")
     if not conversations:
         raise UserError(f"{file}: eval.exact_match.file holds no conversations")
-    histories = [list(c.messages[:-1]) for c in conversations]
-    references = [c.messages[-1].content for c in conversations]
+    prompts = [Conversation((*c.turns[:-1], replace(c.turns[-1], assistant=None)), c.origin) for c in conversations]
+    references = [c.turns[-1].assistant for c in conversations]
     replies = generate_replies(
-        model, tokenizer, template, histories, system, max_new_tokens, precision, batch_size, on_batch=on_batch
+        model, tokenizer, template, prompts, system, max_new_tokens, precision, batch_size, on_batch=on_batch
     )
     correct = 0
     mistakes = []
@@ -52,9 +58,7 @@ def exact_match(
         if reply.strip() == reference.strip():
             correct += 1
         elif len(mistakes) < 20:
-            mistakes.append(
-                {"origin": conv.origin, "prompt": conv.messages[-2].content, "expected": reference, "got": reply}
-            )
+            mistakes.append({"origin": conv.origin, "prompt": conv.turns[-1].user, "expected": reference, "got": reply})
     return ExactMatchResult(label, correct / len(conversations), correct, len(conversations), mistakes)
 
 

@@ -13,9 +13,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tuneforge.config.schema import Config
-from tuneforge.data.batching import EpochBatches, MicroBatch
-from tuneforge.data.conversation import Message
-from tuneforge.data.templates import Template
+from tuneforge.data.batching import BatchPlanner, MicroBatch
+from tuneforge.data.conversation import prompt_conversation
+from tuneforge.data.templates import ChatTemplate
 from tuneforge.generate import generate_replies
 from tuneforge.train.checkpoint import prune_checkpoints, save_checkpoint
 from tuneforge.train.loss import loss_sum
@@ -66,7 +66,7 @@ def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
     return math.ceil(num_micro_batches / accumulation)
 
 
-def step_groups(batches: EpochBatches, accumulation: int) -> Iterator[tuple[int, list[MicroBatch]]]:
+def step_groups(batches: BatchPlanner, accumulation: int) -> Iterator[tuple[int, list[MicroBatch]]]:
     """(epoch, micro-batches of one optimizer step), cycling over epochs; a step never spans two epochs."""
     epoch = 0
     while True:
@@ -87,9 +87,9 @@ class Trainer:
         cfg: Config,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        template: Template,
+        template: ChatTemplate,
         optimizer: torch.optim.Optimizer,
-        batches: EpochBatches,
+        batches: BatchPlanner,
         work_dir: Path,
         watchdog: StallWatchdog,
     ):
@@ -185,12 +185,12 @@ class Trainer:
     def sample_chats(self, step: int) -> None:
         evaluation = self.cfg.eval
         self.watchdog.beat("generation", training=step > 0)
-        histories = [[Message("user", prompt, False)] for prompt in evaluation.sample_prompts]
+        prompts = [prompt_conversation([], prompt) for prompt in evaluation.sample_prompts]
         replies = generate_replies(
             self.model,
             self.tokenizer,
             self.template,
-            histories,
+            prompts,
             self.cfg.data.system,
             evaluation.sample_max_new_tokens,
             self.cfg.train.precision,

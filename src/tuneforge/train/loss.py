@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tuneforge.data.batching import MicroBatch
-from tuneforge.data.tokenize import IGNORE_INDEX
+from tuneforge.data.templates import IGNORE_INDEX
+from tuneforge.model.attention import model_inputs
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -21,9 +22,7 @@ def loss_sum(model: torch.nn.Module, batch: MicroBatch, precision: str) -> torch
     """Sum of cross-entropy over the batch's target tokens (fp32 reduction)."""
     device = next(model.parameters()).device
     with autocast(precision, device):
-        logits = model(
-            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False
-        ).logits
+        logits = model(**model_inputs(model, batch, device), use_cache=False).logits
     targets = batch.targets.to(device)
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"

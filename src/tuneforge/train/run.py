@@ -9,10 +9,10 @@ import torch
 import transformers
 
 from tuneforge.config import Config, dump_config
-from tuneforge.data.batching import EpochBatches
-from tuneforge.data.conversation import load_conversations
+from tuneforge.data.loader import make_planner, padding_by_strategy
+from tuneforge.data.pipeline import prepare_data
+from tuneforge.data.report import format_report
 from tuneforge.data.templates import get_template
-from tuneforge.data.tokenize import tokenize_conversations
 from tuneforge.errors import UserError
 from tuneforge.model.build import build_model, build_tokenizer, count_parameters
 from tuneforge.train.evaluate import exact_match, write_result
@@ -54,17 +54,13 @@ def _train(cfg: Config, work_dir: Path, watchdog: StallWatchdog) -> dict:
     tokenizer = build_tokenizer(cfg.model)
 
     watchdog.beat("data", training=False)
-    conversations = load_conversations(cfg.data.train_files)
-    samples, report = tokenize_conversations(conversations, tokenizer, template, cfg.data.max_length, cfg.data.system)
-    print(
-        f"data: {len(conversations)} conversations from {len(cfg.data.train_files)} file(s); "
-        f"{report.kept} kept, {report.dropped_too_long} dropped as longer than data.max_length="
-        f"{cfg.data.max_length}, {report.dropped_no_target} dropped with no trained token"
-    )
-    if report.longest_dropped:
-        print(f"data: longest dropped sample: {report.longest_dropped}; raise data.max_length to keep such samples")
-    if not samples:
-        raise UserError(f"data: no trainable samples left in {', '.join(cfg.data.train_files)}")
+    data = prepare_data(cfg.data, tokenizer, template)
+    for split in (data.train, data.validation):
+        if split is not None:
+            split.report.padding = padding_by_strategy(split.data, cfg.train.micro_batch_size, cfg.data.max_length)
+            print("\n".join(format_report(split.report)))
+    if len(data.train.data) == 0:
+        raise UserError(f"data: no trainable samples left in {', '.join(cfg.data.train_files)}; see the report above")
 
     watchdog.beat("model", training=False)
     model = build_model(cfg.model, tokenizer, cfg.train.seed)
@@ -75,10 +71,8 @@ def _train(cfg: Config, work_dir: Path, watchdog: StallWatchdog) -> dict:
     )
 
     seed_everything(cfg.train.seed)
-    batches = EpochBatches(
-        samples, cfg.train.micro_batch_size, tokenizer.pad_token_id, cfg.data.shuffle, cfg.train.seed
-    )
-    trainer = Trainer(cfg, model, tokenizer, template, build_optimizer(model, cfg.train), batches, work_dir, watchdog)
+    planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id)
+    trainer = Trainer(cfg, model, tokenizer, template, build_optimizer(model, cfg.train), planner, work_dir, watchdog)
     print(
         f"train: {trainer.total_steps} optimizer steps of {cfg.train.gradient_accumulation} x "
         f"{cfg.train.micro_batch_size} samples; lr {cfg.train.lr:g} ({cfg.train.schedule}, "

@@ -1,0 +1,204 @@
+"""Files -> records -> conversations -> tokenized splits, cached on disk, with a report of every drop."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from tuneforge.config.schema import DataConfig
+from tuneforge.data.conversation import Conversation, SampleError
+from tuneforge.data.formats import detect_format, to_conversation
+from tuneforge.data.report import DropLog, SplitReport, length_stats
+from tuneforge.data.sources import MALFORMED_JSON, read_records
+from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate
+from tuneforge.data.tokenize import TokenizedData, tokenize
+from tuneforge.errors import UserError
+
+DATA_VERSION = "1"
+"""Bump when tokenization output changes, so stale caches are never reused."""
+
+
+@dataclass
+class Split:
+    data: TokenizedData
+    report: SplitReport
+
+
+@dataclass
+class PreparedData:
+    train: Split
+    validation: Split | None
+
+
+def read_conversations(cfg: DataConfig, files: list[str], drops: DropLog) -> tuple[list[Conversation], int]:
+    """All convertible conversations of `files`, and how many records were read."""
+    conversations: list[Conversation] = []
+    read = 0
+    for path in files:
+        file_format = None if cfg.format == "auto" else cfg.format
+        for record in read_records(path, cfg.on_error, cfg.split):
+            read += 1
+            if record.error is not None:
+                drops.add(MALFORMED_JSON, f"{record.origin}: {record.error}")
+                continue
+            if file_format is None:
+                file_format = detect_format(record.value)
+                if file_format is None:
+                    keys = ", ".join(map(str, record.value)) if isinstance(record.value, dict) else "none"
+                    raise UserError(
+                        f"{record.origin}: cannot tell the data format from this record (keys: {keys}); expected "
+                        '"messages" (openai), "conversations" (sharegpt) or "instruction"/"output" (alpaca); '
+                        "set data.format to force one"
+                    )
+            try:
+                conversations.append(to_conversation(record.value, file_format, record.origin))
+            except SampleError as exc:
+                drops.add(exc.reason, f"{record.origin}: {exc.detail}" if exc.detail else record.origin)
+    return conversations, read
+
+
+def build_split(
+    name: str, cfg: DataConfig, files: list[str], tokenizer: PreTrainedTokenizerBase, template: ChatTemplate
+) -> Split:
+    drops = DropLog()
+    conversations, read = read_conversations(cfg, files, drops)
+    kept, truncated = tokenize(conversations, tokenizer, template, cfg.max_length, cfg.truncation, cfg.system, drops)
+    data = TokenizedData.from_samples(kept)
+    return Split(data, _report(name, files, read, truncated, drops, data))
+
+
+def _report(name, files, read, truncated, drops, data: TokenizedData) -> SplitReport:
+    trained = int((data.labels != IGNORE_INDEX).sum())
+    percentiles, fraction = length_stats(data.lengths, trained, len(data.input_ids))
+    return SplitReport(name, list(files), read, len(data), truncated, drops, percentiles, fraction)
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    targets = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for target in targets:
+        digest.update(str(target.relative_to(path) if path.is_dir() else target.name).encode())
+        with target.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocabulary = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([tokenizer.special_tokens_map, getattr(tokenizer, "chat_template", None)], sort_keys=True)
+    return hashlib.sha256((vocabulary + extra).encode()).hexdigest()
+
+
+def fingerprint(cfg: DataConfig, files: list[str], tokenizer: PreTrainedTokenizerBase) -> str:
+    """Changes whenever a file's content or any setting that affects tokenization changes."""
+    settings = cfg.model_dump(
+        mode="json", include={"format", "split", "template", "system", "max_length", "truncation", "on_error"}
+    )
+    digest = hashlib.sha256(DATA_VERSION.encode())
+    digest.update(json.dumps(settings, sort_keys=True).encode())
+    digest.update(_tokenizer_digest(tokenizer).encode())
+    for path in files:
+        digest.update(_file_digest(Path(path)).encode())
+    return digest.hexdigest()[:24]
+
+
+def _save(split: Split, directory: Path) -> None:
+    tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for field in ("input_ids", "labels", "offsets"):
+        np.save(tmp / f"{field}.npy", getattr(split.data, field))
+    (tmp / "origins.json").write_text(json.dumps(split.data.origins))
+    (tmp / "report.json").write_text(json.dumps(split.report.to_json()))
+    try:
+        tmp.rename(directory)
+    except OSError:  # another process finished the same cache first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load(directory: Path) -> Split:
+    arrays = {f: np.load(directory / f"{f}.npy", mmap_mode="r") for f in ("input_ids", "labels", "offsets")}
+    origins = json.loads((directory / "origins.json").read_text())
+    report = SplitReport.from_json(json.loads((directory / "report.json").read_text()))
+    return Split(TokenizedData(origins=origins, **arrays), report)
+
+
+def _wait_for(directory: Path, timeout_s: float, rank: int) -> None:
+    start = last_note = time.monotonic()
+    while not directory.exists():
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise UserError(
+                f"rank {rank}: rank 0 did not finish preprocessing the data into {directory} within "
+                f"{timeout_s:.0f}s (data.preprocess_timeout_s); check rank 0's log"
+            )
+        if now - last_note >= 30:
+            print(f"rank {rank}: waiting for rank 0 to preprocess the data ({now - start:.0f}s)", file=sys.stderr)
+            last_note = now
+        time.sleep(0.5)
+
+
+def prepare_split(
+    name: str,
+    cfg: DataConfig,
+    files: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    template: ChatTemplate,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[Split, bool]:
+    """The tokenized split and whether it came from the cache. With a cache and several ranks, rank 0
+    builds it while the others wait (with their own timeout, independent of the training watchdog)."""
+    if cfg.cache_dir is None:
+        return build_split(name, cfg, files, tokenizer, template), False
+    directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer)
+    if directory.exists():
+        return _load(directory), True
+    if rank != 0 and world_size > 1:
+        _wait_for(directory, cfg.preprocess_timeout_s, rank)
+        return _load(directory), True
+    split = build_split(name, cfg, files, tokenizer, template)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    _save(split, directory)
+    return split, False
+
+
+def hold_out(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+    """Move a seeded `fraction` of the samples (at least one) into a validation split."""
+    count = len(split.data)
+    size = max(1, round(count * fraction))
+    if size >= count:
+        raise UserError(f"data.validation_fraction={fraction} leaves no training samples out of {count}")
+    chosen = set(np.random.default_rng(seed).permutation(count)[:size].tolist())
+    train = split.data.subset([i for i in range(count) if i not in chosen])
+    validation = split.data.subset(sorted(chosen))
+    train_report = _report(
+        "train", split.report.files, split.report.read, split.report.truncated, split.report.drops, train
+    )
+    validation_report = _report(
+        f"validation ({fraction:.0%} held out)", split.report.files, 0, 0, DropLog(), validation
+    )
+    return Split(train, train_report), Split(validation, validation_report)
+
+
+def prepare_data(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, template: ChatTemplate, rank: int = 0, world_size: int = 1
+) -> PreparedData:
+    train, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template, rank, world_size)
+    validation = None
+    if cfg.validation_files:
+        validation, _ = prepare_split("validation", cfg, cfg.validation_files, tokenizer, template, rank, world_size)
+    elif cfg.validation_fraction:
+        train, validation = hold_out(train, cfg.validation_fraction, cfg.split_seed)
+    return PreparedData(train, validation)

@@ -1,0 +1,75 @@
+"""What happened to the data: samples read, dropped by reason (with examples), lengths, padding waste."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+EXAMPLES_PER_REASON = 3
+
+
+@dataclass
+class DropLog:
+    """Counts per reason, with the first few origins of each so the user can look at them."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, where: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        shown = self.examples.setdefault(reason, [])
+        if len(shown) < EXAMPLES_PER_REASON:
+            shown.append(where)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+@dataclass
+class SplitReport:
+    name: str
+    files: list[str]
+    read: int
+    kept: int
+    truncated: int
+    drops: DropLog
+    length_percentiles: dict[str, int]
+    trained_fraction: float
+    """Share of tokens that carry a label."""
+    padding: dict[str, float] = field(default_factory=dict)
+    """Fraction of padding tokens in the micro-batches of an epoch, per batching strategy."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> SplitReport:
+        return SplitReport(**{**data, "drops": DropLog(**data["drops"])})
+
+
+def length_stats(lengths: np.ndarray, labels_trained: int, total_tokens: int) -> tuple[dict[str, int], float]:
+    if len(lengths) == 0:
+        return {}, 0.0
+    percentiles = {f"p{p}": int(np.percentile(lengths, p)) for p in (50, 90, 99)}
+    percentiles["max"] = int(lengths.max())
+    return percentiles, labels_trained / max(total_tokens, 1)
+
+
+def format_report(report: SplitReport) -> list[str]:
+    """Plain lines; the same text goes to the console and to `data check`."""
+    lines = [
+        f"{report.name}: {report.read} records read from {len(report.files)} source(s); {report.kept} kept, "
+        f"{report.drops.total} dropped, {report.truncated} truncated to whole turns"
+    ]
+    for reason, count in sorted(report.drops.counts.items(), key=lambda item: -item[1]):
+        lines.append(f"  dropped {count} x {reason}, e.g. {'; '.join(report.drops.examples[reason])}")
+    if report.length_percentiles:
+        stats = ", ".join(f"{k} {v}" for k, v in report.length_percentiles.items())
+        lines.append(f"  tokens per sample: {stats}; trained tokens {report.trained_fraction:.1%}")
+    if report.padding:
+        waste = ", ".join(f"{name} {share:.1%}" for name, share in report.padding.items())
+        lines.append(f"  padding per epoch: {waste}")
+    return lines

@@ -1,0 +1,109 @@
+"""Read records from JSONL, JSON arrays, parquet files and saved Hugging Face datasets, with origins.
+
+JSON and JSONL are parsed line by line here rather than through Arrow: chat records mix types
+(`loss` as a boolean in one message and a string in another), which breaks Arrow's schema
+inference, and a bad line must be reported as `file:line`. Parquet files and saved datasets
+go through the `datasets` library.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tuneforge.errors import UserError
+
+MALFORMED_JSON = "malformed JSON"
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    origin: str
+    value: Any
+    error: str | None = None
+    """Set (and `value` None) for an unparsable line kept only to be counted."""
+
+
+def _snippet(text: str, limit: int = 80) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _read_jsonl(path: Path, on_error: str) -> Iterator[RawRecord]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            origin = f"{path}:{number}"
+            try:
+                yield RawRecord(origin, json.loads(line))
+            except json.JSONDecodeError as exc:
+                message = f"not valid JSON ({exc.msg} at column {exc.colno}): {_snippet(line)}"
+                if on_error == "raise":
+                    raise UserError(
+                        f"{origin}: {message}; fix the line, or set data.on_error=skip to drop and count such lines"
+                    ) from None
+                yield RawRecord(origin, None, message)
+
+
+def _read_json(path: Path, on_error: str) -> Iterator[RawRecord]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data":  # one object per line in a .json file: read it as JSONL
+            yield from _read_jsonl(path, on_error)
+            return
+        raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a JSON array of records, got {type(data).__name__}")
+    for index, record in enumerate(data):
+        yield RawRecord(f"{path}[{index}]", record)
+
+
+def _read_rows(dataset: Any, name: str) -> Iterator[RawRecord]:
+    for index, row in enumerate(dataset):
+        yield RawRecord(f"{name}#row{index}", row)
+
+
+def _read_parquet(path: Path) -> Iterator[RawRecord]:
+    import datasets
+
+    yield from _read_rows(datasets.Dataset.from_parquet(str(path), keep_in_memory=True), str(path))
+
+
+def _read_saved_dataset(path: Path, split: str) -> Iterator[RawRecord]:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise UserError(f"{path}: no split {split!r} in this dataset (it has {', '.join(loaded)})")
+        loaded = loaded[split]
+    yield from _read_rows(loaded, str(path))
+
+
+def read_records(path: str, on_error: str = "raise", split: str = "train") -> Iterator[RawRecord]:
+    """Every record of one source, in file order. `split` picks the split of a saved DatasetDict."""
+    source = Path(path)
+    if not source.exists():
+        raise UserError(f"{source}: data file not found")
+    if source.is_dir():
+        if not ((source / "dataset_info.json").exists() or (source / "dataset_dict.json").exists()):
+            raise UserError(f"{source}: a directory must be a dataset saved with `datasets` (save_to_disk)")
+        yield from _read_saved_dataset(source, split)
+        return
+    suffix = source.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        yield from _read_jsonl(source, on_error)
+    elif suffix == ".json":
+        yield from _read_json(source, on_error)
+    elif suffix == ".parquet":
+        yield from _read_parquet(source)
+    else:
+        raise UserError(f"{source}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or a saved dataset")

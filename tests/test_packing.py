@@ -1,0 +1,73 @@
+"""Packed rows give every sample exactly the logits and loss it has alone, on SDPA and eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuneforge.data.batching import collate
+from tuneforge.model.attention import model_inputs
+from tuneforge.train.loop import accumulate_gradients
+
+from conftest import chat, rows_batch, tiny_deepseek_v2, tiny_llama, tokenized
+
+RECORDS = [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("c" * 12, "mid reply")]
+
+
+def build(kind: str, tokenizer, implementation: str):
+    if kind == "llama":
+        model = tiny_llama(tokenizer, seed=1)
+        model.config._attn_implementation = implementation
+        return model
+    return tiny_deepseek_v2(tokenizer, seed=1, attn_implementation=implementation)
+
+
+def logits_of(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**model_inputs(model, batch, torch.device("cpu")), use_cache=False).logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v2"])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_packed_row_equals_unpacked_samples(tokenizer, kind, implementation):
+    data = tokenized(tokenizer, RECORDS)
+    model = build(kind, tokenizer, implementation).eval()
+    pad = tokenizer.pad_token_id
+    packed = collate(data, [[0, 1, 2]], pad, packed=True)
+    packed_logits = logits_of(model, packed)[0]
+    cursor = 0
+    for index in range(3):
+        alone = logits_of(model, rows_batch(data, [index], pad))[0]
+        n = alone.shape[0]
+        torch.testing.assert_close(packed_logits[cursor : cursor + n], alone, atol=1e-5, rtol=1e-5)
+        cursor += n
+
+    loss_packed = accumulate_gradients(build(kind, tokenizer, implementation), [packed], "fp32")
+    loss_unpacked = accumulate_gradients(
+        build(kind, tokenizer, implementation), [rows_batch(data, [0, 1, 2], pad)], "fp32"
+    )
+    assert loss_packed.num_targets == loss_unpacked.num_targets
+    assert loss_packed.loss == pytest.approx(loss_unpacked.loss, abs=1e-5)
+
+
+def test_position_ids_alone_do_not_isolate_samples_on_sdpa(tokenizer):
+    """Why the explicit mask exists: transformers infers sample boundaries from position ids only when no cache
+    is built, and with the config's default `use_cache=True` one is, so the second sample sees the first."""
+    data = tokenized(tokenizer, RECORDS)
+    model = build("llama", tokenizer, "sdpa").eval()
+    packed = collate(data, [[0, 1]], tokenizer.pad_token_id, packed=True)
+    with torch.no_grad():
+        leaky = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits[0]
+    alone = logits_of(model, rows_batch(data, [1], tokenizer.pad_token_id))[0]
+    first = int(data.lengths[0])
+    assert (leaky[first : first + alone.shape[0]] - alone).abs().max() > 1e-3
+
+
+def test_packed_rows_with_padding_stay_finite(tokenizer):
+    data = tokenized(tokenizer, RECORDS)
+    model = build("llama", tokenizer, "sdpa")
+    batch = collate(data, [[0, 2], [1]], tokenizer.pad_token_id, packed=True)
+    assert batch.attention_mask.sum() < batch.attention_mask.numel()  # the second row is padded
+    result = accumulate_gradients(model, [batch], "fp32")
+    assert torch.isfinite(torch.tensor(result.loss))
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

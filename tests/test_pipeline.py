@@ -1,0 +1,195 @@
+"""Sources, drop accounting, the on-disk cache, validation splits, batch plans and the data CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tuneforge.config.schema import DataConfig
+from tuneforge.data.batching import best_fit_decreasing, padding_fraction, plan_epoch, shard
+from tuneforge.data.pipeline import prepare_data, prepare_split
+from tuneforge.data.report import format_report
+from tuneforge.data.templates import get_template
+from tuneforge.errors import UserError
+
+from conftest import chat, tokenized, write_jsonl
+
+RECORDS = [chat(f"question {i}", f"answer {i}") for i in range(6)]
+
+
+def config(tmp_path: Path, files: list[Path], **extra) -> DataConfig:
+    extra.setdefault("cache_dir", str(tmp_path / "cache"))
+    return DataConfig(train_files=[str(f) for f in files], **extra)
+
+
+def prepare(cfg: DataConfig, tokenizer):
+    return prepare_data(cfg, tokenizer, get_template(cfg.template))
+
+
+def test_jsonl_json_parquet_and_saved_datasets_read_the_same_samples(tmp_path, tokenizer):
+    import datasets
+
+    jsonl = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    array = tmp_path / "b.json"
+    array.write_text(json.dumps(RECORDS))
+    parquet = tmp_path / "c.parquet"
+    datasets.Dataset.from_list(RECORDS).to_parquet(str(parquet))
+    saved = tmp_path / "d"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(RECORDS)}).save_to_disk(str(saved))
+    reference = None
+    for source in (jsonl, array, parquet, saved):
+        data = prepare(config(tmp_path, [source], cache_dir=None), tokenizer).train.data
+        assert len(data) == 6
+        reference = reference if reference is not None else data
+        assert np.array_equal(data.input_ids, reference.input_ids)
+        assert np.array_equal(data.labels, reference.labels)
+    both = prepare(config(tmp_path, [jsonl, parquet], cache_dir=None), tokenizer).train
+    assert both.report.read == 12 and len(both.data) == 12
+    assert both.data.origins[0] == f"{jsonl}:1" and both.data.origins[6] == f"{parquet}#row0"
+
+
+def test_drops_are_counted_by_reason_with_examples(tmp_path, tokenizer):
+    path = tmp_path / "mixed.jsonl"
+    lines = [
+        json.dumps(chat("good", "fine")),
+        '{"messages": [',
+        json.dumps({"messages": [{"role": "robot", "content": "x"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+        json.dumps(chat("q", "context only", loss=False)),
+        json.dumps(chat("q" * 200, "too long")),
+        json.dumps(chat("also good", "yes")),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    split = prepare(config(tmp_path, [path], on_error="skip", max_length=120, cache_dir=None), tokenizer).train
+    report = split.report
+    assert (report.read, report.kept) == (7, 2)
+    assert report.drops.counts == {
+        "malformed JSON": 1,
+        "unknown role": 1,
+        "ends on a user turn": 1,
+        "no trained tokens": 1,
+        "longer than data.max_length": 1,
+    }
+    assert report.drops.examples["malformed JSON"][0].startswith(f"{path}:2: not valid JSON")
+    assert report.drops.examples["unknown role"][0].startswith(f"{path}:3:")
+    text = "\n".join(format_report(report))
+    assert "dropped 1 x no trained tokens, e.g. " + f"{path}:5" in text
+
+
+def test_malformed_json_stops_with_location_and_snippet_by_default(tmp_path, tokenizer):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(chat("a", "b")) + '\n{"messages": [oops]}\n')
+    with pytest.raises(UserError) as info:
+        prepare(config(tmp_path, [path], cache_dir=None), tokenizer)
+    message = str(info.value)
+    assert message.startswith(f"{path}:2: not valid JSON")
+    assert '{"messages": [oops]}' in message and "data.on_error=skip" in message
+
+
+def test_unknown_format_names_the_record_and_the_fix(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"text": "hello"}])
+    with pytest.raises(UserError, match=r"x.jsonl:1: cannot tell the data format .*keys: text.*data.format"):
+        prepare(config(tmp_path, [path]), tokenizer)
+
+
+def test_second_run_reads_the_cache_and_a_changed_file_misses_it(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    cfg = config(tmp_path, [path])
+    template = get_template(cfg.template)
+    first, cached = prepare_split("train", cfg, cfg.train_files, tokenizer, template)
+    assert not cached
+    second, cached = prepare_split("train", cfg, cfg.train_files, tokenizer, template)
+    assert cached
+    assert np.array_equal(first.data.input_ids, second.data.input_ids)
+    assert first.data.origins == second.data.origins
+    assert second.report.kept == 6
+    _, cached = prepare_split("train", cfg.model_copy(update={"max_length": 100}), cfg.train_files, tokenizer, template)
+    assert not cached
+    write_jsonl(path, [*RECORDS, chat("new", "sample")])
+    third, cached = prepare_split("train", cfg, cfg.train_files, tokenizer, template)
+    assert not cached and len(third.data) == 7
+
+
+def test_validation_fraction_is_held_out_with_a_fixed_seed(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "a.jsonl", [chat(f"q{i}", f"a{i}") for i in range(20)])
+    first = prepare(config(tmp_path, [path], validation_fraction=0.25), tokenizer)
+    again = prepare(config(tmp_path, [path], validation_fraction=0.25), tokenizer)
+    assert len(first.train.data) == 15 and len(first.validation.data) == 5
+    assert first.validation.data.origins == again.validation.data.origins
+    assert not set(first.validation.data.origins) & set(first.train.data.origins)
+    other = prepare(config(tmp_path, [path], validation_fraction=0.25, split_seed=1), tokenizer)
+    assert other.validation.data.origins != first.validation.data.origins
+
+
+def test_validation_files(tmp_path, tokenizer):
+    train = write_jsonl(tmp_path / "t.jsonl", RECORDS)
+    valid = write_jsonl(tmp_path / "v.jsonl", RECORDS[:2])
+    data = prepare(config(tmp_path, [train], validation_files=[str(valid)]), tokenizer)
+    assert len(data.validation.data) == 2
+
+
+def test_best_fit_decreasing_packs_every_sample_once_within_capacity():
+    lengths = np.array([9, 2, 7, 3, 1, 5, 5, 8, 4])
+    rows = best_fit_decreasing(lengths, 10)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= 10 for row in rows)
+    assert len(rows) == 5  # 44 tokens need at least 5 rows of 10
+
+
+@pytest.mark.parametrize("strategy", ["random", "grouped", "packed"])
+def test_each_epoch_covers_every_sample_once_in_a_seeded_order(strategy):
+    lengths = np.random.default_rng(0).integers(5, 60, size=101)
+    rows = best_fit_decreasing(lengths, 64) if strategy == "packed" else None
+    plan = plan_epoch(lengths, 4, strategy, seed=3, epoch=0, packed_rows=rows)
+    samples = [i for batch in plan for row in batch for i in row]
+    assert sorted(samples) == list(range(101))
+    assert plan == plan_epoch(lengths, 4, strategy, seed=3, epoch=0, packed_rows=rows)
+    assert plan != plan_epoch(lengths, 4, strategy, seed=3, epoch=1, packed_rows=rows)
+
+
+def test_grouping_and_packing_cut_padding_on_a_long_tailed_corpus():
+    lengths = np.minimum(np.random.default_rng(0).lognormal(5.0, 0.8, size=2000).astype(int) + 8, 1024)
+    rows = best_fit_decreasing(lengths, 1024)
+    waste = {
+        s: padding_fraction(plan_epoch(lengths, 8, s, 0, 0, rows), lengths) for s in ("random", "grouped", "packed")
+    }
+    assert waste["packed"] < waste["grouped"] < waste["random"]
+
+
+def test_shards_are_disjoint_cover_everything_and_have_equal_length():
+    plan = [[[i]] for i in range(11)]
+    shards = [shard(plan, rank, 4) for rank in range(4)]
+    assert {len(s) for s in shards} == {3}
+    seen = [batch[0][0] for s in shards for batch in s]
+    assert set(seen) == set(range(11))
+    assert len(seen) - len(set(seen)) == 1  # 12 slots for 11 batches: one is repeated, not dropped
+
+
+def test_data_check_and_preview_through_the_cli(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [chat("Convert #000000 to RGB.", "(0, 0, 0)"), {"messages": []}])
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        f"model: {{architecture: llama, tokenizer: bytes}}\ndata: {{train_files: [{path}], cache_dir: null}}\n"
+    )
+    tool = str(Path(sys.executable).parent / "tuneforge")
+    check = subprocess.run([tool, "data", "check", str(cfg)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert "2 records read from 1 source(s); 1 kept, 1 dropped" in check.stdout
+    assert f"dropped 1 x empty conversation, e.g. {path}:2" in check.stdout
+    preview = subprocess.run([tool, "data", "preview", str(cfg), "-n", "1"], capture_output=True, text=True)
+    assert preview.returncode == 0, preview.stderr
+    assert "[[(0, 0, 0)</s>]]" in preview.stdout
+    empty = subprocess.run([tool, "data", "check", str(cfg), "data.max_length=5"], capture_output=True, text=True)
+    assert empty.returncode == 1
+    assert "no trainable samples" in empty.stderr
+
+
+def test_tokenized_helper_matches_pipeline(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    data = prepare(config(tmp_path, [path], cache_dir=None), tokenizer).train.data
+    assert np.array_equal(data.input_ids, tokenized(tokenizer, RECORDS).input_ids)
