@@ -22,9 +22,9 @@ test: $(STAMP) lint
 	$(VENV)/bin/pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests configs
-	$(VENV)/bin/ruff format --check src tests configs
+	$(VENV)/bin/ruff check src tests configs benchmarks
+	$(VENV)/bin/ruff format --check src tests configs benchmarks
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix src tests configs
-	$(VENV)/bin/ruff format src tests configs
+	$(VENV)/bin/ruff check --fix src tests configs benchmarks
+	$(VENV)/bin/ruff format src tests configs benchmarks

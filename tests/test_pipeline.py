@@ -193,3 +193,32 @@ def test_tokenized_helper_matches_pipeline(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "a.jsonl", RECORDS)
     data = prepare(config(tmp_path, [path], cache_dir=None), tokenizer).train.data
     assert np.array_equal(data.input_ids, tokenized(tokenizer, RECORDS).input_ids)
+
+
+def test_other_ranks_wait_for_rank_zero_then_read_its_cache(tmp_path, tokenizer):
+    import threading
+
+    path = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    cfg = config(tmp_path, [path])
+    template = get_template(cfg.template)
+    results = {}
+    waiter = threading.Thread(
+        target=lambda: results.update(rank1=prepare_split("train", cfg, cfg.train_files, tokenizer, template, 1, 2))
+    )
+    waiter.start()
+    waiter.join(timeout=1.0)
+    assert waiter.is_alive()  # rank 1 does not build the data itself
+    built, cached = prepare_split("train", cfg, cfg.train_files, tokenizer, template, 0, 2)
+    waiter.join(timeout=30)
+    assert not cached
+    loaded, loaded_from_cache = results["rank1"]
+    assert loaded_from_cache and np.array_equal(loaded.data.input_ids, built.data.input_ids)
+
+
+def test_a_waiting_rank_gives_up_with_its_own_timeout(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    cfg = config(tmp_path, [path], preprocess_timeout_s=0.5)
+    with pytest.raises(
+        UserError, match=r"rank 1: rank 0 did not finish preprocessing .* within 0.5s \(data.preprocess_timeout_s\)"
+    ):
+        prepare_split("train", cfg, cfg.train_files, tokenizer, get_template(cfg.template), 1, 2)

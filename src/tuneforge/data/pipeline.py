@@ -141,7 +141,7 @@ def _wait_for(directory: Path, timeout_s: float, rank: int) -> None:
         if now - start > timeout_s:
             raise UserError(
                 f"rank {rank}: rank 0 did not finish preprocessing the data into {directory} within "
-                f"{timeout_s:.0f}s (data.preprocess_timeout_s); check rank 0's log"
+                f"{timeout_s:g}s (data.preprocess_timeout_s); check rank 0's log"
             )
         if now - last_note >= 30:
             print(f"rank {rank}: waiting for rank 0 to preprocess the data ({now - start:.0f}s)", file=sys.stderr)
