@@ -97,3 +97,10 @@ def tiny_deepseek_v2(tokenizer, seed: int = 0, attn_implementation: str = "sdpa"
     )
     config._attn_implementation = attn_implementation
     return DeepseekV2ForCausalLM(config)
+
+
+def single_engine(model):
+    """The single-process engine around `model` (its optimizer is never stepped by these tests)."""
+    from tuneforge.engines.single import SingleEngine
+
+    return SingleEngine(model, torch.optim.SGD(model.parameters(), lr=0.0))

@@ -9,7 +9,7 @@ from tuneforge.data.batching import collate
 from tuneforge.model.attention import model_inputs
 from tuneforge.train.loop import accumulate_gradients
 
-from conftest import chat, rows_batch, tiny_deepseek_v2, tiny_llama, tokenized
+from conftest import chat, rows_batch, single_engine, tiny_deepseek_v2, tiny_llama, tokenized
 
 RECORDS = [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("c" * 12, "mid reply")]
 
@@ -42,9 +42,9 @@ def test_packed_row_equals_unpacked_samples(tokenizer, kind, implementation):
         torch.testing.assert_close(packed_logits[cursor : cursor + n], alone, atol=1e-5, rtol=1e-5)
         cursor += n
 
-    loss_packed = accumulate_gradients(build(kind, tokenizer, implementation), [packed], "fp32")
+    loss_packed = accumulate_gradients(single_engine(build(kind, tokenizer, implementation)), [packed], "fp32")
     loss_unpacked = accumulate_gradients(
-        build(kind, tokenizer, implementation), [rows_batch(data, [0, 1, 2], pad)], "fp32"
+        single_engine(build(kind, tokenizer, implementation)), [rows_batch(data, [0, 1, 2], pad)], "fp32"
     )
     assert loss_packed.num_targets == loss_unpacked.num_targets
     assert loss_packed.loss == pytest.approx(loss_unpacked.loss, abs=1e-5)
@@ -68,6 +68,6 @@ def test_packed_rows_with_padding_stay_finite(tokenizer):
     model = build("llama", tokenizer, "sdpa")
     batch = collate(data, [[0, 2], [1]], tokenizer.pad_token_id, packed=True)
     assert batch.attention_mask.sum() < batch.attention_mask.numel()  # the second row is padded
-    result = accumulate_gradients(model, [batch], "fp32")
+    result = accumulate_gradients(single_engine(model), [batch], "fp32")
     assert torch.isfinite(torch.tensor(result.loss))
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tuneforge.config.schema import DataConfig
-from tuneforge.data.batching import best_fit_decreasing, padding_fraction, plan_epoch, shard
+from tuneforge.data.batching import BatchPlanner, best_fit_decreasing, padding_fraction, plan_epoch, rows_for_rank
 from tuneforge.data.pipeline import prepare_data, prepare_split
 from tuneforge.data.report import format_report
 from tuneforge.data.templates import get_template
@@ -161,13 +161,26 @@ def test_grouping_and_packing_cut_padding_on_a_long_tailed_corpus():
     assert waste["packed"] < waste["grouped"] < waste["random"]
 
 
-def test_shards_are_disjoint_cover_everything_and_have_equal_length():
-    plan = [[[i]] for i in range(11)]
-    shards = [shard(plan, rank, 4) for rank in range(4)]
-    assert {len(s) for s in shards} == {3}
-    seen = [batch[0][0] for s in shards for batch in s]
-    assert set(seen) == set(range(11))
-    assert len(seen) - len(set(seen)) == 1  # 12 slots for 11 batches: one is repeated, not dropped
+def test_each_rank_gets_a_contiguous_share_and_no_rank_goes_without():
+    batch = [[i] for i in range(8)]
+    shares = [rows_for_rank(batch, rank, 4, filler=[[100]]) for rank in range(4)]
+    assert shares == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
+    uneven = [rows_for_rank(batch[:5], rank, 4, filler=[[100]]) for rank in range(4)]
+    assert [row for share in uneven for row in share] == batch[:5] and all(uneven)
+    short = [rows_for_rank(batch[:2], rank, 4, filler=[[100], [101]]) for rank in range(4)]
+    assert short == [[[0]], [[1]], [[100]], [[101]]]  # topped up by repeating rows, never dropped
+
+
+def test_planners_of_two_ranks_see_the_global_batches_of_one(tokenizer):
+    # 14 samples: the last global micro-batch has 2 rows, one per rank, so nothing needs repeating.
+    data = tokenized(tokenizer, [chat(f"q{i}" * (i % 5 + 1), f"a{i}") for i in range(14)])
+    one = BatchPlanner(data, 4, 0, seed=1, strategy="grouped", max_length=1024)
+    ranks = [
+        BatchPlanner(data, 2, 0, seed=1, strategy="grouped", max_length=1024, rank=r, world_size=2) for r in (0, 1)
+    ]
+    assert len(one) == len(ranks[0]) == len(ranks[1]) == 4
+    for whole, first, second in zip(one.plan(0), ranks[0].plan(0), ranks[1].plan(0), strict=True):
+        assert whole == first + second
 
 
 def test_data_check_and_preview_through_the_cli(tmp_path):

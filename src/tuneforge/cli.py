@@ -12,6 +12,9 @@ TRAIN_EXAMPLES = """examples:
   tuneforge train configs/demo.yaml
   tuneforge train configs/demo.yaml train.lr=1e-4 data.max_length=512
   tuneforge train my.yaml train.max_steps=10 --work-dir /tmp/try
+  tuneforge train my.yaml --nproc-per-node 8                       (8 processes on this node)
+  tuneforge train my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1
+  torchrun --nproc-per-node 8 -m tuneforge train my.yaml           (also works, as does srun)
 
 Overrides are dotted keys with YAML values; `tuneforge config-docs` lists every key.
 Outputs go to the work dir (default work_dirs/<config name>): config.yaml, metrics.jsonl,
@@ -40,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", type=Path, help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
     train.add_argument("--work-dir", type=Path, help="output directory (default: work_dirs/<config name>)")
+    launch = train.add_argument_group("launching several processes (PyTorch's elastic launcher)")
+    launch.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
+    launch.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    launch.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)")
+    launch.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
+    launch.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
 
     chat = commands.add_parser(
         "chat",
@@ -82,14 +91,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train(args: argparse.Namespace) -> None:
+def _train(args: argparse.Namespace) -> int:
     from tuneforge.config import load_config
 
     config = load_config(args.config, args.overrides)  # validated before anything heavy is imported
+    from tuneforge.distributed import launched_by_torchrun
     from tuneforge.train.run import run_training
 
     work_dir = args.work_dir or Path("work_dirs") / args.config.stem
+    if args.nproc_per_node * args.nnodes > 1 and not launched_by_torchrun():
+        from tuneforge.launch import launch_workers
+
+        worker_argv = ["train", str(args.config), *args.overrides, "--work-dir", str(work_dir)]
+        return launch_workers(
+            worker_argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, args.master_port
+        )
     run_training(config, work_dir)
+    return 0
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -132,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *rest]
     try:
         if args.command == "train":
-            _train(args)
+            return _train(args)
         elif args.command == "chat":
             from tuneforge.chat import run_chat
 

@@ -191,8 +191,9 @@ class TrainConfig(Section):
 
 
 class ParallelConfig(Section):
-    engine: Literal["auto", "single"] = "auto"
-    """Training engine. `auto` picks `single` for one process (distributed engines: later)."""
+    engine: Literal["auto", "single", "ddp"] = "auto"
+    """Training engine: `single` (one process), `ddp` (a replica per rank, gradients all-reduced).
+    `auto` picks `single` for one process and `ddp` for several."""
 
 
 class CheckpointConfig(Section):

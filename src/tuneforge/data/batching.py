@@ -124,12 +124,14 @@ def plan_epoch(
     return batches
 
 
-def shard(plan: Plan, rank: int, world_size: int) -> Plan:
-    """Rank r takes micro-batches r, r+W, ...; the plan is first extended by wrapping around so that every
-    rank gets exactly ceil(len/W) micro-batches (a rank with one batch fewer would hang the others)."""
-    per_rank = math.ceil(len(plan) / world_size)
-    extended = [plan[i % len(plan)] for i in range(per_rank * world_size)]
-    return extended[rank::world_size]
+def rows_for_rank(batch: list[list[int]], rank: int, world_size: int, filler: list[list[int]]) -> list[list[int]]:
+    """This rank's contiguous share of a global micro-batch. Shares differ by at most one row, and a batch with
+    fewer rows than ranks is topped up from `filler` (rows repeated, never dropped), so every rank always
+    runs a micro-batch: a rank that skipped one would leave the others waiting in a collective."""
+    if len(batch) < world_size:
+        batch = batch + [filler[i % len(filler)] for i in range(world_size - len(batch))]
+    bounds = np.linspace(0, len(batch), world_size + 1).round().astype(int)
+    return batch[bounds[rank] : bounds[rank + 1]]
 
 
 def padding_fraction(plan: Plan, lengths: np.ndarray) -> float:
@@ -143,7 +145,9 @@ def padding_fraction(plan: Plan, lengths: np.ndarray) -> float:
 
 
 class BatchPlanner:
-    """Micro-batches of this rank for each epoch."""
+    """Micro-batches of this rank for each epoch. The plan is made for the global micro-batch
+    (`micro_batch_size` rows per rank x ranks) and each rank takes its share, so N ranks see exactly the
+    batches one process would see with an N times larger micro-batch."""
 
     def __init__(
         self,
@@ -157,7 +161,7 @@ class BatchPlanner:
         world_size: int = 1,
     ):
         self.data = data
-        self.micro_batch_size = micro_batch_size
+        self.global_micro_batch = micro_batch_size * world_size
         self.pad_id = pad_id
         self.seed = seed
         self.strategy = strategy
@@ -166,12 +170,14 @@ class BatchPlanner:
         self.packed_rows = best_fit_decreasing(data.lengths, max_length) if strategy == "packed" else None
 
     def plan(self, epoch: int) -> Plan:
-        whole = plan_epoch(self.data.lengths, self.micro_batch_size, self.strategy, self.seed, epoch, self.packed_rows)
-        return shard(whole, self.rank, self.world_size)
+        whole = plan_epoch(
+            self.data.lengths, self.global_micro_batch, self.strategy, self.seed, epoch, self.packed_rows
+        )
+        return [rows_for_rank(batch, self.rank, self.world_size, whole[0]) for batch in whole]
 
     def __len__(self) -> int:
         rows = len(self.packed_rows) if self.packed_rows is not None else len(self.data)
-        return math.ceil(math.ceil(rows / self.micro_batch_size) / self.world_size)
+        return math.ceil(rows / self.global_micro_batch)
 
     def epoch(self, epoch: int) -> Iterator[MicroBatch]:
         packed = self.strategy == "packed"

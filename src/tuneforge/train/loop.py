@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from tuneforge.config.schema import Config
 from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.templates import ChatTemplate
+from tuneforge.distributed import barrier
+from tuneforge.engines import Engine
 from tuneforge.generate import generate_replies
 from tuneforge.train.checkpoint import prune_checkpoints, save_checkpoint
 from tuneforge.train.loss import loss_sum
@@ -34,31 +36,27 @@ class AccumulatedStep:
 
 
 def accumulate_gradients(
-    model: torch.nn.Module,
+    engine: Engine,
     micro_batches: list[MicroBatch],
     precision: str,
     on_micro_step: Callable[[int], None] | None = None,
 ) -> AccumulatedStep:
-    """Backward every micro-batch with its loss sum divided by the step's total target count, so the
-    gradient is that of the mean over all target tokens, however they are split into micro-batches."""
-    total_targets = sum(mb.num_targets for mb in micro_batches)
+    """Backward every micro-batch with its loss sum divided by the step's total target count over all ranks,
+    so the gradient is that of the mean over all target tokens, however they are split into micro-batches
+    and ranks. Every rank runs the same number of micro-batches and collectives."""
+    local_targets = sum(mb.num_targets for mb in micro_batches)
+    (total_targets,) = engine.sum_across_ranks([local_targets])
     assert total_targets > 0, "tokenization drops samples without targets"
     loss_total = torch.zeros(())
     for index, batch in enumerate(micro_batches, start=1):
-        loss = loss_sum(model, batch, precision) / total_targets
-        loss.backward()
+        with engine.micro_step(last=index == len(micro_batches)):
+            loss = loss_sum(engine.model, batch, precision, engine.unwrapped) / total_targets
+            engine.backward(loss)
         loss_total += loss.detach().cpu()
         if on_micro_step is not None:
             on_micro_step(index)
-    return AccumulatedStep(float(loss_total), total_targets, sum(mb.num_tokens for mb in micro_batches))
-
-
-def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient norm before clipping; clipping is skipped when `max_norm` is 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    loss, tokens = engine.sum_across_ranks([float(loss_total), sum(mb.num_tokens for mb in micro_batches)])
+    return AccumulatedStep(loss, int(total_targets), int(tokens))
 
 
 def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
@@ -82,22 +80,23 @@ def step_groups(batches: BatchPlanner, accumulation: int) -> Iterator[tuple[int,
 
 
 class Trainer:
+    """Runs the steps. Every rank executes the same calls in the same order; only rank 0 writes files."""
+
     def __init__(
         self,
         cfg: Config,
-        model: PreTrainedModel,
+        engine: Engine,
         tokenizer: PreTrainedTokenizerBase,
         template: ChatTemplate,
-        optimizer: torch.optim.Optimizer,
         batches: BatchPlanner,
         work_dir: Path,
         watchdog: StallWatchdog,
     ):
         self.cfg = cfg
-        self.model = model
+        self.engine = engine
+        self.is_main = engine.info.is_main
         self.tokenizer = tokenizer
         self.template = template
-        self.optimizer = optimizer
         self.batches = batches
         self.work_dir = work_dir
         self.watchdog = watchdog
@@ -112,16 +111,19 @@ class Trainer:
             kind=train.schedule,
         )
         self.progress = ProgressReporter(
-            self.total_steps, train.gradient_accumulation, cfg.log.progress, cfg.log.every_steps
+            self.total_steps,
+            train.gradient_accumulation,
+            cfg.log.progress if self.is_main else "off",
+            cfg.log.every_steps,
         )
         self.checkpoints_dir = work_dir / "checkpoints"
         data = cfg.data.model_dump(mode="json")
         self.chat_meta = {"template": data["template"], "system": data["system"]}
 
     def run(self) -> list[dict]:
-        cfg, model = self.cfg, self.model
-        model.train()
-        metrics_log = MetricsLog(self.work_dir / "metrics.jsonl")
+        cfg, engine = self.cfg, self.engine
+        engine.model.train()
+        metrics_log = MetricsLog(self.work_dir / "metrics.jsonl") if self.is_main else None
         history: list[dict] = []
         started = time.monotonic()
         try:
@@ -134,12 +136,9 @@ class Trainer:
                 epoch, micro_batches = next(groups)
                 accumulated = self._forward_backward(step, micro_batches)
                 self.watchdog.beat("optimizer")
-                grad_norm = clip_gradients(model, cfg.train.max_grad_norm)
+                grad_norm = engine.clip_grad_norm(cfg.train.max_grad_norm)
                 lr = self.schedule(step)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                engine.step(lr)
                 seconds = time.monotonic() - step_start
                 record = {
                     "step": step,
@@ -153,7 +152,8 @@ class Trainer:
                     "trained_tokens": accumulated.num_targets,
                     "elapsed_s": time.monotonic() - started,
                 }
-                metrics_log.write(record)
+                if metrics_log is not None:
+                    metrics_log.write(record)
                 history.append(record)
                 self.progress.step(step, record)
                 if cfg.eval.sample_every_steps and step % cfg.eval.sample_every_steps == 0 and step < self.total_steps:
@@ -165,7 +165,8 @@ class Trainer:
             if cfg.checkpoint.save_final:
                 self.save("final", self.total_steps)
         finally:
-            metrics_log.close()
+            if metrics_log is not None:
+                metrics_log.close()
             self.progress.close()
         return history
 
@@ -180,14 +181,14 @@ class Trainer:
             last = now
 
         self.watchdog.beat("forward/backward", training=step > 1)
-        return accumulate_gradients(self.model, micro_batches, self.cfg.train.precision, on_micro_step)
+        return accumulate_gradients(self.engine, micro_batches, self.cfg.train.precision, on_micro_step)
 
     def sample_chats(self, step: int) -> None:
         evaluation = self.cfg.eval
         self.watchdog.beat("generation", training=step > 0)
         prompts = [prompt_conversation([], prompt) for prompt in evaluation.sample_prompts]
         replies = generate_replies(
-            self.model,
+            self.engine.unwrapped,
             self.tokenizer,
             self.template,
             prompts,
@@ -196,21 +197,24 @@ class Trainer:
             self.cfg.train.precision,
             on_batch=lambda: self.watchdog.beat("generation", training=step > 0),
         )
+        if not self.is_main:
+            return
         with (self.work_dir / "samples.jsonl").open("a", encoding="utf-8") as handle:
             for prompt, reply in zip(evaluation.sample_prompts, replies, strict=True):
                 self.progress.log(f"[sample @ step {step}] {prompt!r} -> {reply!r}")
                 handle.write(json.dumps({"step": step, "prompt": prompt, "reply": reply}, ensure_ascii=False) + "\n")
 
-    def save(self, name: str, step: int) -> Path:
+    def save(self, name: str, step: int) -> None:
         self.watchdog.beat("save")
-        path = save_checkpoint(
-            self.model,
-            self.tokenizer,
-            self.checkpoints_dir / name,
-            {**self.chat_meta, "step": step},
-            self.work_dir / "config.yaml",
-        )
-        prune_checkpoints(self.checkpoints_dir, self.cfg.checkpoint.keep_last)
-        self.progress.log(f"saved checkpoint {path}")
+        if self.is_main:
+            path = save_checkpoint(
+                self.engine.unwrapped,
+                self.tokenizer,
+                self.checkpoints_dir / name,
+                {**self.chat_meta, "step": step},
+                self.work_dir / "config.yaml",
+            )
+            prune_checkpoints(self.checkpoints_dir, self.cfg.checkpoint.keep_last)
+            self.progress.log(f"saved checkpoint {path}")
+        barrier(self.engine.info)
         self.watchdog.beat("save")
-        return path

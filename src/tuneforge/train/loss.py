@@ -18,11 +18,13 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-def loss_sum(model: torch.nn.Module, batch: MicroBatch, precision: str) -> torch.Tensor:
-    """Sum of cross-entropy over the batch's target tokens (fp32 reduction)."""
-    device = next(model.parameters()).device
+def loss_sum(model: torch.nn.Module, batch: MicroBatch, precision: str, plain: torch.nn.Module | None = None):
+    """Sum of cross-entropy over the batch's target tokens (fp32 reduction). `model` may be an engine's
+    wrapper; `plain` is the Hugging Face model inside it (for its config)."""
+    plain = plain if plain is not None else model
+    device = next(plain.parameters()).device
     with autocast(precision, device):
-        logits = model(**model_inputs(model, batch, device), use_cache=False).logits
+        logits = model(**model_inputs(plain, batch, device), use_cache=False).logits
     targets = batch.targets.to(device)
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"

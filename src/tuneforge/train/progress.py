@@ -24,6 +24,7 @@ class ProgressReporter:
         self.total_steps = total_steps
         self.accumulation = accumulation
         self.every_steps = every_steps
+        self.silent = mode == "off"  # ranks other than 0
         use_bar = mode == "bar" or (mode == "auto" and self.console.is_terminal)
         self.bar: Progress | None = None
         self.started = time.monotonic()
@@ -47,7 +48,8 @@ class ProgressReporter:
             self.bar.start()
 
     def log(self, text: str) -> None:
-        self.console.print(text, markup=False, soft_wrap=True)
+        if not self.silent:
+            self.console.print(text, markup=False, soft_wrap=True)
 
     def micro_step(self, step: int, micro: int, micro_count: int, seconds: float) -> None:
         """Called after each forward/backward: the first step is reported micro-step by micro-step."""

@@ -1,8 +1,9 @@
-"""`tuneforge train`: config -> data -> model -> loop -> checkpoints and evaluation, in one place."""
+"""`tuneforge train` in one process (of possibly many): config -> data -> model -> engine -> loop -> evaluation."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from tuneforge.data.loader import make_planner, padding_by_strategy
 from tuneforge.data.pipeline import prepare_data
 from tuneforge.data.report import format_report
 from tuneforge.data.templates import get_template
+from tuneforge.distributed import DistInfo, barrier, init_distributed
+from tuneforge.engines import build_engine, choose_engine
 from tuneforge.errors import UserError
 from tuneforge.model.build import build_model, build_tokenizer, count_parameters
 from tuneforge.train.evaluate import exact_match, write_result
@@ -28,14 +31,19 @@ def seed_everything(seed: int) -> None:
 
 def run_training(cfg: Config, work_dir: Path) -> dict:
     """Train as configured; returns a summary (final loss, steps, accuracy if configured)."""
+    info = init_distributed()
     work_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
-    dump_config(cfg, work_dir / "config.yaml")
-    print(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
-    print(
-        f"engine: single (one process, {torch.get_num_threads()} CPU threads)"
-        if cfg.parallel.engine in ("auto", "single")
-        else f"engine: {cfg.parallel.engine}"
+    say: Callable[[str], None] = print if info.is_main else (lambda _: None)
+    if info.is_main:
+        dump_config(cfg, work_dir / "config.yaml")
+    barrier(info)
+    say(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
+    engine_name = choose_engine(cfg.parallel.engine, info)
+    chosen = " (parallel.engine=auto)" if cfg.parallel.engine == "auto" else ""
+    say(
+        f"engine: {engine_name}{chosen}, {info.world_size} process(es), device {info.device.type}, "
+        f"{torch.get_num_threads()} CPU threads each"
     )
 
     watchdog = StallWatchdog(
@@ -43,39 +51,46 @@ def run_training(cfg: Config, work_dir: Path) -> dict:
     )
     watchdog.start()
     try:
-        return _train(cfg, work_dir, watchdog)
+        return _train(cfg, work_dir, watchdog, info, engine_name, say)
     finally:
         watchdog.stop()
+        if info.distributed:
+            torch.distributed.destroy_process_group()
 
 
-def _train(cfg: Config, work_dir: Path, watchdog: StallWatchdog) -> dict:
+def _train(
+    cfg: Config, work_dir: Path, watchdog: StallWatchdog, info: DistInfo, engine_name: str, say: Callable[[str], None]
+) -> dict:
     seed_everything(cfg.train.seed)
     template = get_template(cfg.data.template)
     tokenizer = build_tokenizer(cfg.model)
 
     watchdog.beat("data", training=False)
-    data = prepare_data(cfg.data, tokenizer, template)
+    data = prepare_data(cfg.data, tokenizer, template, info.rank, info.world_size)
     for split in (data.train, data.validation):
         if split is not None:
             split.report.padding = padding_by_strategy(split.data, cfg.train.micro_batch_size, cfg.data.max_length)
-            print("\n".join(format_report(split.report)))
+            say("\n".join(format_report(split.report)))
     if len(data.train.data) == 0:
         raise UserError(f"data: no trainable samples left in {', '.join(cfg.data.train_files)}; see the report above")
 
     watchdog.beat("model", training=False)
     model = build_model(cfg.model, tokenizer, cfg.train.seed)
     trainable, total = count_parameters(model)
-    print(
+    say(
         f"model: {type(model).__name__}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable, "
         f"weights {cfg.model.dtype}, compute {cfg.train.precision}"
     )
 
     seed_everything(cfg.train.seed)
-    planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id)
-    trainer = Trainer(cfg, model, tokenizer, template, build_optimizer(model, cfg.train), planner, work_dir, watchdog)
-    print(
+    engine = build_engine(engine_name, model, build_optimizer(model, cfg.train), info)
+    planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
+    trainer = Trainer(cfg, engine, tokenizer, template, planner, work_dir, watchdog)
+    global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation * info.world_size
+    say(
         f"train: {trainer.total_steps} optimizer steps of {cfg.train.gradient_accumulation} x "
-        f"{cfg.train.micro_batch_size} samples; lr {cfg.train.lr:g} ({cfg.train.schedule}, "
+        f"{cfg.train.micro_batch_size} {'rows' if cfg.data.packing else 'samples'} x {info.world_size} rank(s) "
+        f"= {global_batch} per step; lr {cfg.train.lr:g} ({cfg.train.schedule}, "
         f"{trainer.schedule.warmup_steps} warmup steps)"
     )
     history = trainer.run()
@@ -84,8 +99,9 @@ def _train(cfg: Config, work_dir: Path, watchdog: StallWatchdog) -> dict:
     match_cfg = cfg.eval.exact_match
     if match_cfg is not None:
         watchdog.beat("eval")
+        # Every rank generates (no collectives for single/DDP; sharded engines need all ranks in lockstep).
         result = exact_match(
-            model,
+            engine.unwrapped,
             tokenizer,
             template,
             match_cfg.file,
@@ -96,8 +112,10 @@ def _train(cfg: Config, work_dir: Path, watchdog: StallWatchdog) -> dict:
             cfg.train.precision,
             on_batch=lambda: watchdog.beat("eval"),
         )
-        write_result(result, work_dir / "eval.json")
-        print(f"{result.label} accuracy: {result.accuracy:.3f}")
-        print(f"({result.correct}/{result.total} exact matches; details in {work_dir / 'eval.json'})")
+        if info.is_main:
+            write_result(result, work_dir / "eval.json")
+        say(f"{result.label} accuracy: {result.accuracy:.3f}")
+        say(f"({result.correct}/{result.total} exact matches; details in {work_dir / 'eval.json'})")
         summary["accuracy"] = result.accuracy
+    barrier(info)
     return summary

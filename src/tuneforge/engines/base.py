@@ -1,0 +1,49 @@
+"""The narrow protocol between the training loop and how the work is spread over processes.
+
+The loop calls only these methods, in the same order on every rank, and never asks which engine
+it has. That is what keeps every rank issuing the same collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+
+from tuneforge.distributed import DistInfo
+
+
+class Engine(Protocol):
+    name: str
+    info: DistInfo
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The module to call for training forward passes (possibly a wrapper)."""
+        ...
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        """The plain Hugging Face model, for generation and saving."""
+        ...
+
+    def sum_across_ranks(self, values: list[float]) -> list[float]:
+        """Element-wise sums over all ranks (token counts, loss sums), in one collective."""
+        ...
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        """Context of one micro-batch's forward and backward; gradients are synchronised only when `last`."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss` is this rank's share of the global mean: its token-loss sum over the global target count."""
+        ...
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global gradient norm before clipping (clipping skipped when `max_norm` is 0)."""
+        ...
+
+    def step(self, lr: float) -> None:
+        """Apply the accumulated gradients at learning rate `lr`, then clear them."""
+        ...

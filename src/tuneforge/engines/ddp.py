@@ -1,0 +1,51 @@
+"""DistributedDataParallel: a full replica per rank, gradients averaged by all-reduce."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from tuneforge.distributed import DistInfo
+from tuneforge.engines.single import SingleEngine, global_grad_norm
+
+
+def has_conditional_parameters(model: torch.nn.Module) -> bool:
+    """MoE blocks skip experts that receive no tokens, leaving their parameters without gradients."""
+    return any(hasattr(module, "experts") for module in model.modules())
+
+
+class DDPEngine(SingleEngine):
+    name = "ddp"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo):
+        super().__init__(model, optimizer, info)
+        self._plain = self._model
+        self._model = DistributedDataParallel(
+            self._plain,
+            device_ids=[info.device.index] if info.device.type == "cuda" else None,
+            broadcast_buffers=False,  # rotary caches and the like are identical on every rank
+            find_unused_parameters=has_conditional_parameters(self._plain),
+        )
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        return self._plain
+
+    def sum_across_ranks(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else self._model.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DDP averages gradients over ranks; the loss is already normalised by the global target count.
+        (loss * self.info.world_size).backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        # After the all-reduce every rank holds the same gradients, hence the same norm.
+        return global_grad_norm(list(self._plain.parameters()), max_norm)

@@ -1,0 +1,52 @@
+"""One process, no collectives."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tuneforge.distributed import DistInfo
+
+
+def global_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+    grads = [p for p in parameters if p.grad is not None]
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in grads]))
+
+
+class SingleEngine:
+    name = "single"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo | None = None):
+        info = info or DistInfo(0, 1, 0, next(model.parameters()).device)
+        self.info = info
+        self._model = model.to(info.device)
+        self.optimizer = optimizer
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        return self._model
+
+    def sum_across_ranks(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return global_grad_norm(list(self._model.parameters()), max_norm)
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
