@@ -103,4 +103,4 @@ def single_engine(model):
     """The single-process engine around `model` (its optimizer is never stepped by these tests)."""
     from tuneforge.engines.single import SingleEngine
 
-    return SingleEngine(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    return SingleEngine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.0))

@@ -37,10 +37,12 @@ def generate_replies(
     precision: str = "fp32",
     batch_size: int = 32,
     streamer: TextStreamer | None = None,
+    synced: bool = False,
     on_batch: Callable[[], None] | None = None,
 ) -> list[str]:
     """Greedy replies to conversations whose last turn is open, `batch_size` at a time, left-padded so every
-    row ends at its prompt."""
+    row ends at its prompt. `synced`: the model is sharded across ranks, so every rank keeps stepping until
+    all are done (ranks whose replies end early would otherwise leave the others in an all-gather)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -65,6 +67,7 @@ def generate_replies(
                     eos_token_id=stop_ids,
                     pad_token_id=tokenizer.pad_token_id,
                     streamer=streamer,
+                    synced_gpus=synced,
                 )
             for row in output[:, width:]:
                 replies.append(_cut_at_stop(tokenizer.decode(row, skip_special_tokens=True), stops))

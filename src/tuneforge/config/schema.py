@@ -191,9 +191,13 @@ class TrainConfig(Section):
 
 
 class ParallelConfig(Section):
-    engine: Literal["auto", "single", "ddp"] = "auto"
-    """Training engine: `single` (one process), `ddp` (a replica per rank, gradients all-reduced).
+    engine: Literal["auto", "single", "ddp", "fsdp"] = "auto"
+    """Training engine: `single` (one process), `ddp` (a replica per rank, gradients all-reduced), `fsdp`
+    (FSDP2: parameters, gradients and optimizer state sharded, one unit per decoder layer).
     `auto` picks `single` for one process and `ddp` for several."""
+
+    cpu_offload: bool = False
+    """With `fsdp`: keep sharded parameters, gradients and optimizer state in CPU memory."""
 
 
 class CheckpointConfig(Section):

@@ -1,13 +1,14 @@
-"""Engines behind one protocol: `single` and `ddp` (FSDP2 and DeepSpeed plug in the same way)."""
+"""Engines behind one protocol: `single`, `ddp` and `fsdp` (FSDP2)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from tuneforge.config.schema import ParallelConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine
-from tuneforge.engines.ddp import DDPEngine
-from tuneforge.engines.single import SingleEngine
 from tuneforge.errors import UserError
 
 
@@ -15,13 +16,35 @@ def choose_engine(requested: str, info: DistInfo) -> str:
     if requested == "auto":
         return "ddp" if info.distributed else "single"
     if requested == "single" and info.distributed:
-        raise UserError(f"parallel.engine=single cannot run in {info.world_size} processes; use ddp or auto")
+        raise UserError(f"parallel.engine=single cannot run in {info.world_size} processes; use ddp, fsdp or auto")
+    if requested != "single" and not info.distributed:
+        raise UserError(
+            f"parallel.engine={requested} needs several processes; add --nproc-per-node N, or use single or auto"
+        )
     return requested
 
 
-def build_engine(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> Engine:
-    engines = {"single": SingleEngine, "ddp": DDPEngine}
-    return engines[name](model, optimizer, info)
+def build_engine(
+    name: str,
+    model: torch.nn.Module,
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    info: DistInfo,
+    parallel: ParallelConfig,
+    precision: str,
+) -> Engine:
+    if name == "single":
+        from tuneforge.engines.single import SingleEngine
+
+        return SingleEngine(model, make_optimizer, info)
+    if name == "ddp":
+        from tuneforge.engines.ddp import DDPEngine
+
+        return DDPEngine(model, make_optimizer, info)
+    from tuneforge.engines.fsdp import FSDPEngine
+
+    # bf16 parameters in the all-gathers pay off on GPUs; on CPU autocast does the bf16 compute.
+    bf16_params = precision == "bf16" and info.device.type == "cuda"
+    return FSDPEngine(model, make_optimizer, info, cpu_offload=parallel.cpu_offload, bf16_params=bf16_params)
 
 
 __all__ = ["Engine", "build_engine", "choose_engine"]

@@ -17,6 +17,8 @@ from tuneforge.distributed import DistInfo
 class Engine(Protocol):
     name: str
     info: DistInfo
+    sharded: bool
+    """Parameters live in pieces across ranks: every forward is a collective, so generation runs in lockstep."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -46,4 +48,9 @@ class Engine(Protocol):
 
     def step(self, lr: float) -> None:
         """Apply the accumulated gradients at learning rate `lr`, then clear them."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights for saving, on rank 0. A collective for sharded engines: every rank calls
+        it. None from an unsharded engine means the unwrapped model's own weights are the whole model."""
         ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,13 @@ def has_conditional_parameters(model: torch.nn.Module) -> bool:
 class DDPEngine(SingleEngine):
     name = "ddp"
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo):
-        super().__init__(model, optimizer, info)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+        info: DistInfo,
+    ):
+        super().__init__(model, make_optimizer, info)
         self._plain = self._model
         self._model = DistributedDataParallel(
             self._plain,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -18,12 +19,18 @@ def global_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> f
 
 class SingleEngine:
     name = "single"
+    sharded = False
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+        info: DistInfo | None = None,
+    ):
         info = info or DistInfo(0, 1, 0, next(model.parameters()).device)
         self.info = info
         self._model = model.to(info.device)
-        self.optimizer = optimizer
+        self.optimizer = make_optimizer(self._model)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -44,6 +51,9 @@ class SingleEngine:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return global_grad_norm(list(self._model.parameters()), max_norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return None
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

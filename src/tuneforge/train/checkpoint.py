@@ -23,14 +23,16 @@ def save_checkpoint(
     directory: Path,
     meta: dict[str, Any],
     config_file: Path | None = None,
+    state_dict: dict | None = None,
 ) -> Path:
-    """Write into a temporary sibling, then rename: a crash mid-save never leaves a half checkpoint."""
+    """Write into a temporary sibling, then rename: a crash mid-save never leaves a half checkpoint.
+    `state_dict` holds the whole model's weights when the model itself is sharded."""
     tmp = directory.parent / f".tmp-{directory.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     (tmp / CHAT_META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
     if config_file is not None:

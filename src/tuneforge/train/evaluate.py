@@ -38,6 +38,7 @@ def exact_match(
     max_new_tokens: int,
     batch_size: int,
     precision: str,
+    synced: bool = False,
     on_batch: Callable[[], None] | None = None,
 ) -> ExactMatchResult:
     """Each conversation's last assistant message is the reference; everything before it is the prompt."""
@@ -50,7 +51,16 @@ def exact_match(
     prompts = [Conversation((*c.turns[:-1], replace(c.turns[-1], assistant=None)), c.origin) for c in conversations]
     references = [c.turns[-1].assistant for c in conversations]
     replies = generate_replies(
-        model, tokenizer, template, prompts, system, max_new_tokens, precision, batch_size, on_batch=on_batch
+        model,
+        tokenizer,
+        template,
+        prompts,
+        system,
+        max_new_tokens,
+        precision,
+        batch_size,
+        synced=synced,
+        on_batch=on_batch,
     )
     correct = 0
     mistakes = []

@@ -195,6 +195,7 @@ class Trainer:
             self.cfg.data.system,
             evaluation.sample_max_new_tokens,
             self.cfg.train.precision,
+            synced=self.engine.sharded and self.engine.info.distributed,
             on_batch=lambda: self.watchdog.beat("generation", training=step > 0),
         )
         if not self.is_main:
@@ -206,6 +207,7 @@ class Trainer:
 
     def save(self, name: str, step: int) -> None:
         self.watchdog.beat("save")
+        state = self.engine.full_state_dict()  # a collective for sharded engines: every rank takes part
         if self.is_main:
             path = save_checkpoint(
                 self.engine.unwrapped,
@@ -213,6 +215,7 @@ class Trainer:
                 self.checkpoints_dir / name,
                 {**self.chat_meta, "step": step},
                 self.work_dir / "config.yaml",
+                state_dict=state,
             )
             prune_checkpoints(self.checkpoints_dir, self.cfg.checkpoint.keep_last)
             self.progress.log(f"saved checkpoint {path}")

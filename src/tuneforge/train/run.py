@@ -83,7 +83,9 @@ def _train(
     )
 
     seed_everything(cfg.train.seed)
-    engine = build_engine(engine_name, model, build_optimizer(model, cfg.train), info)
+    engine = build_engine(
+        engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train.precision
+    )
     planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
     trainer = Trainer(cfg, engine, tokenizer, template, planner, work_dir, watchdog)
     global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation * info.world_size
@@ -110,6 +112,7 @@ def _train(
             match_cfg.max_new_tokens,
             match_cfg.batch_size,
             cfg.train.precision,
+            synced=engine.sharded and info.distributed,
             on_batch=lambda: watchdog.beat("eval"),
         )
         if info.is_main:

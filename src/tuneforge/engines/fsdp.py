@@ -1,0 +1,91 @@
+"""FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded across ranks.
+
+One FSDP unit per decoder layer plus the root. Nothing below a decoder layer is ever its own unit,
+so an MoE block's experts are gathered with their layer whatever tokens they receive: every rank
+issues the same all-gathers and reduce-scatters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from tuneforge.distributed import DistInfo
+from tuneforge.model.structure import decoder_layers
+
+
+class FSDPEngine:
+    name = "fsdp"
+    sharded = True
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+        info: DistInfo,
+        cpu_offload: bool = False,
+        bf16_params: bool = False,
+    ):
+        self.info = info
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
+        options: dict = {"mesh": mesh}
+        if bf16_params:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        if not cpu_offload:
+            model = model.to(info.device)
+        for layer in decoder_layers(model):
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
+        self._model = model
+        # Built after sharding: the optimizer must hold the sharded parameters.
+        self.optimizer = make_optimizer(model)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        return self._model
+
+    def sum_across_ranks(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        self._model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The reduce-scatter averages over ranks; the loss is already normalised by the global target count.
+        (loss * self.info.world_size).backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: every rank must call it. Rank 0 gets the whole model on CPU, the others None."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self._model, options=options)
+        return state if self.info.is_main else None
