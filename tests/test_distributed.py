@@ -53,7 +53,15 @@ def losses(work_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (work_dir / "metrics.jsonl").open()]
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+ENGINES = {
+    "ddp": ["parallel.engine=ddp"],
+    "fsdp": ["parallel.engine=fsdp"],
+    "zero2": ["parallel.engine=deepspeed", "parallel.zero_stage=2"],
+    "zero3_offload": ["parallel.engine=deepspeed", "parallel.zero_stage=3", "parallel.cpu_offload=all"],
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("model", ["llama", "deepseek_v2"])
 def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, model, engine):
     write_jsonl(
@@ -66,13 +74,13 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, model,
         config,
         tmp_path / "two",
         "train.micro_batch_size=2",
-        f"parallel.engine={engine}",
+        *ENGINES[engine],
         "--nproc-per-node",
         "2",
         "--master-port",
         str(free_port()),
     )
-    assert f"engine: {engine}, 2 process(es)" in two.stdout
+    assert f"engine: {ENGINES[engine][0].split('=')[1]}, 2 process(es)" in two.stdout
     # Tolerance: the runs differ only in summation order (per-rank matmuls, then the gradient all-reduce),
     # about 1e-7 relative in fp32; four AdamW steps keep the drift well under 1e-5.
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)

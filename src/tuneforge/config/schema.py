@@ -191,13 +191,30 @@ class TrainConfig(Section):
 
 
 class ParallelConfig(Section):
-    engine: Literal["auto", "single", "ddp", "fsdp"] = "auto"
+    engine: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = "auto"
     """Training engine: `single` (one process), `ddp` (a replica per rank, gradients all-reduced), `fsdp`
-    (FSDP2: parameters, gradients and optimizer state sharded, one unit per decoder layer).
-    `auto` picks `single` for one process and `ddp` for several."""
+    (FSDP2: parameters, gradients and optimizer state sharded, one unit per decoder layer), `deepspeed`
+    (ZeRO stage `zero_stage`). `auto` picks `single` for one process and `ddp` for several."""
 
-    cpu_offload: bool = False
-    """With `fsdp`: keep sharded parameters, gradients and optimizer state in CPU memory."""
+    zero_stage: int = Field(3, ge=0, le=3)
+    """DeepSpeed ZeRO stage: 0 (DDP-like), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)."""
+
+    cpu_offload: Literal["none", "optimizer", "all"] = "none"
+    """Keep state in CPU memory: `optimizer` (DeepSpeed ZeRO 1-3), `all` = optimizer and parameters
+    (DeepSpeed ZeRO-3, or FSDP2, which offloads parameters, gradients and optimizer state together)."""
+
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON file merged over the generated one (its keys win), for settings we do not expose."""
+
+    @model_validator(mode="after")
+    def _offload_fits_engine(self) -> ParallelConfig:
+        if self.cpu_offload == "optimizer" and self.engine == "fsdp":
+            raise ValueError("FSDP2 offloads all state or none: use parallel.cpu_offload=all with fsdp")
+        if self.cpu_offload == "all" and self.engine == "deepspeed" and self.zero_stage != 3:
+            raise ValueError("parameter offload needs ZeRO-3: set parallel.zero_stage=3 or cpu_offload=optimizer")
+        if self.cpu_offload != "none" and self.engine in ("single", "ddp"):
+            raise ValueError(f"parallel.cpu_offload needs engine fsdp or deepspeed, not {self.engine}")
+        return self
 
 
 class CheckpointConfig(Section):

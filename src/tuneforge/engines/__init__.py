@@ -1,4 +1,4 @@
-"""Engines behind one protocol: `single`, `ddp` and `fsdp` (FSDP2)."""
+"""Engines behind one protocol: `single`, `ddp`, `fsdp` (FSDP2) and `deepspeed` (ZeRO 0-3)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from tuneforge.config.schema import ParallelConfig
+from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine
 from tuneforge.errors import UserError
@@ -30,8 +30,9 @@ def build_engine(
     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     info: DistInfo,
     parallel: ParallelConfig,
-    precision: str,
+    train: TrainConfig,
 ) -> Engine:
+    precision = train.precision
     if name == "single":
         from tuneforge.engines.single import SingleEngine
 
@@ -40,11 +41,17 @@ def build_engine(
         from tuneforge.engines.ddp import DDPEngine
 
         return DDPEngine(model, make_optimizer, info)
-    from tuneforge.engines.fsdp import FSDPEngine
-
-    # bf16 parameters in the all-gathers pay off on GPUs; on CPU autocast does the bf16 compute.
+    # bf16 parameters pay off on GPUs; on CPU, autocast does the bf16 compute with fp32 weights.
     bf16_params = precision == "bf16" and info.device.type == "cuda"
-    return FSDPEngine(model, make_optimizer, info, cpu_offload=parallel.cpu_offload, bf16_params=bf16_params)
+    if name == "fsdp":
+        from tuneforge.engines.fsdp import FSDPEngine
+
+        return FSDPEngine(
+            model, make_optimizer, info, cpu_offload=parallel.cpu_offload == "all", bf16_params=bf16_params
+        )
+    from tuneforge.engines.deepspeed import DeepSpeedEngine
+
+    return DeepSpeedEngine(model, make_optimizer, info, parallel, train, bf16_params)
 
 
 __all__ = ["Engine", "build_engine", "choose_engine"]

@@ -42,12 +42,9 @@ class Engine(Protocol):
         """`loss` is this rank's share of the global mean: its token-loss sum over the global target count."""
         ...
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm before clipping (clipping skipped when `max_norm` is 0)."""
-        ...
-
-    def step(self, lr: float) -> None:
-        """Apply the accumulated gradients at learning rate `lr`, then clear them."""
+    def step(self, lr: float, max_grad_norm: float) -> float:
+        """Clip the gradients to `max_grad_norm` (0: no clipping), apply them at learning rate `lr`, clear them.
+        Returns the global gradient norm before clipping."""
         ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

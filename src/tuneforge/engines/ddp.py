@@ -11,11 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.single import SingleEngine, global_grad_norm
-
-
-def has_conditional_parameters(model: torch.nn.Module) -> bool:
-    """MoE blocks skip experts that receive no tokens, leaving their parameters without gradients."""
-    return any(hasattr(module, "experts") for module in model.modules())
+from tuneforge.model.moe import find_moe_blocks
 
 
 class DDPEngine(SingleEngine):
@@ -33,7 +29,8 @@ class DDPEngine(SingleEngine):
             self._plain,
             device_ids=[info.device.index] if info.device.type == "cuda" else None,
             broadcast_buffers=False,  # rotary caches and the like are identical on every rank
-            find_unused_parameters=has_conditional_parameters(self._plain),
+            # MoE blocks skip experts that receive no tokens, leaving their parameters without gradients.
+            find_unused_parameters=bool(find_moe_blocks(self._plain)),
         )
 
     @property

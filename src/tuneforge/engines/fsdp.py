@@ -78,11 +78,13 @@ class FSDPEngine:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, max_grad_norm: float) -> float:
+        norm = self.clip_grad_norm(max_grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: every rank must call it. Rank 0 gets the whole model on CPU, the others None."""

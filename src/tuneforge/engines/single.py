@@ -55,8 +55,10 @@ class SingleEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return None
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, max_grad_norm: float) -> float:
+        norm = self.clip_grad_norm(max_grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return norm

@@ -136,9 +136,8 @@ class Trainer:
                 epoch, micro_batches = next(groups)
                 accumulated = self._forward_backward(step, micro_batches)
                 self.watchdog.beat("optimizer")
-                grad_norm = engine.clip_grad_norm(cfg.train.max_grad_norm)
                 lr = self.schedule(step)
-                engine.step(lr)
+                grad_norm = engine.step(lr, cfg.train.max_grad_norm)
                 seconds = time.monotonic() - step_start
                 record = {
                     "step": step,

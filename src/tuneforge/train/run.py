@@ -83,9 +83,7 @@ def _train(
     )
 
     seed_everything(cfg.train.seed)
-    engine = build_engine(
-        engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train.precision
-    )
+    engine = build_engine(engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train)
     planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
     trainer = Trainer(cfg, engine, tokenizer, template, planner, work_dir, watchdog)
     global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation * info.world_size

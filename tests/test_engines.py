@@ -1,0 +1,69 @@
+"""Engine choice, the generated DeepSpeed JSON, offload rules, and MoE blocks found by structure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tuneforge.config.schema import ParallelConfig, TrainConfig
+from tuneforge.distributed import DistInfo
+from tuneforge.engines import choose_engine
+from tuneforge.engines.deepspeed import deepspeed_config
+from tuneforge.errors import UserError
+from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.structure import decoder_layers
+
+from conftest import tiny_deepseek_v2, tiny_llama
+
+
+def info(world: int) -> DistInfo:
+    return DistInfo(0, world, 0, torch.device("cpu"))
+
+
+def test_auto_picks_single_or_ddp_and_impossible_choices_are_refused():
+    assert choose_engine("auto", info(1)) == "single"
+    assert choose_engine("auto", info(4)) == "ddp"
+    assert choose_engine("fsdp", info(4)) == "fsdp"
+    with pytest.raises(UserError, match="cannot run in 4 processes"):
+        choose_engine("single", info(4))
+    with pytest.raises(UserError, match="needs several processes"):
+        choose_engine("deepspeed", info(1))
+
+
+def test_generated_deepspeed_json_follows_our_config_and_user_json_wins(tmp_path):
+    train = TrainConfig(micro_batch_size=2, gradient_accumulation=8, max_grad_norm=0.5)
+    parallel = ParallelConfig(engine="deepspeed", zero_stage=3, cpu_offload="all")
+    config = deepspeed_config(parallel, train, world_size=4, bf16=False)
+    assert config["train_batch_size"] == 64 and config["gradient_clipping"] == 0.5
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    extra = tmp_path / "ds.json"
+    extra.write_text(json.dumps({"zero_optimization": {"stage3_prefetch_bucket_size": 1000}, "steps_per_print": 10}))
+    merged = deepspeed_config(parallel.model_copy(update={"deepspeed_config": str(extra)}), train, 4, False)
+    assert merged["zero_optimization"]["stage3_prefetch_bucket_size"] == 1000
+    assert merged["zero_optimization"]["stage"] == 3  # kept from ours
+    assert merged["steps_per_print"] == 10
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"engine": "fsdp", "cpu_offload": "optimizer"}, "FSDP2 offloads all state or none"),
+        ({"engine": "deepspeed", "zero_stage": 2, "cpu_offload": "all"}, "parameter offload needs ZeRO-3"),
+        ({"engine": "ddp", "cpu_offload": "all"}, "needs engine fsdp or deepspeed"),
+    ],
+)
+def test_offload_combinations_that_cannot_work_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**fields)
+
+
+def test_moe_blocks_and_decoder_layers_are_found_by_structure(tokenizer):
+    deepseek = tiny_deepseek_v2(tokenizer)
+    blocks = find_moe_blocks(deepseek)
+    assert [(b.name, b.num_experts, b.layout) for b in blocks] == [("model.layers.1.mlp", 4, "stacked")]
+    assert find_moe_blocks(tiny_llama(tokenizer)) == []
+    assert decoder_layers(deepseek) is deepseek.model.layers
