@@ -203,6 +203,11 @@ class ParallelConfig(Section):
     """Keep state in CPU memory: `optimizer` (DeepSpeed ZeRO 1-3), `all` = optimizer and parameters
     (DeepSpeed ZeRO-3, or FSDP2, which offloads parameters, gradients and optimizer state together)."""
 
+    moe_safety: bool = True
+    """Make MoE blocks safe under sharding when ranks route tokens to different experts: ZeRO-3 gathers each
+    block as one leaf module; FSDP2 reduce-scatters zero gradients for experts that got no tokens. Turning it
+    off reproduces the deadlock of the original report; only for diagnosis."""
+
     deepspeed_config: str | None = None
     """A DeepSpeed JSON file merged over the generated one (its keys win), for settings we do not expose."""
 

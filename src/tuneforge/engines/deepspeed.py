@@ -79,7 +79,7 @@ class DeepSpeedEngine:
         self.info = info
         self.sharded = parallel.zero_stage == 3
         blocks = find_moe_blocks(model)
-        if self.sharded and blocks:
+        if self.sharded and blocks and parallel.moe_safety:
             deepspeed.utils.set_z3_leaf_modules(model, sorted({type(b.module) for b in blocks}, key=str))
         if parallel.cpu_offload != "all":
             model = model.to(info.device)

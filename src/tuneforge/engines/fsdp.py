@@ -18,6 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from tuneforge.distributed import DistInfo
+from tuneforge.model.moe import find_moe_blocks
 from tuneforge.model.structure import decoder_layers
 
 
@@ -32,6 +33,7 @@ class FSDPEngine:
         info: DistInfo,
         cpu_offload: bool = False,
         bf16_params: bool = False,
+        moe_safety: bool = True,
     ):
         self.info = info
         mesh = init_device_mesh(info.device.type, (info.world_size,))
@@ -45,6 +47,10 @@ class FSDPEngine:
         for layer in decoder_layers(model):
             fully_shard(layer, **options)
         fully_shard(model, **options)
+        if moe_safety and find_moe_blocks(model):
+            # Experts that receive no tokens on one rank have no gradient there: reduce zeros for them, so
+            # every rank's reduce-scatter has the same size.
+            model.set_reduce_scatter_unused_params(True)
         self._model = model
         # Built after sharding: the optimizer must hold the sharded parameters.
         self.optimizer = make_optimizer(model)

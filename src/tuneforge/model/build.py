@@ -52,6 +52,20 @@ def _fresh_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase):
     )
 
 
+def _native_architecture(path: str) -> bool:
+    """Whether `transformers` itself implements the checkpoint's architecture. Its implementation is preferred
+    over the checkpoint's remote code: it is tested, and MoE blocks there run every rank's collectives alike."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, OSError):
+        return False
+    print(
+        f"model: trust_remote_code was set, but transformers implements {config.model_type} natively; "
+        "using the native implementation"
+    )
+    return True
+
+
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
     """A fresh model is initialised under `seed`, so the same config gives the same weights."""
     dtype = DTYPES[cfg.dtype]
@@ -61,15 +75,23 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
             _fresh_config(cfg, tokenizer), dtype=dtype, attn_implementation=cfg.attn_implementation
         )
     else:
+        remote = cfg.trust_remote_code and not _native_architecture(cfg.path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.path,
                 dtype=dtype,
                 attn_implementation=cfg.attn_implementation,
-                trust_remote_code=cfg.trust_remote_code,
+                trust_remote_code=remote,
             )
         except OSError as exc:
             raise UserError(f"model.path: cannot load a model from {cfg.path!r} ({exc})") from None
+        except ValueError as exc:
+            if "attention implementation" not in str(exc):
+                raise
+            raise UserError(
+                f"model.attn_implementation: {cfg.attn_implementation} is not supported by this model; "
+                "set model.attn_implementation=eager"
+            ) from None
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise UserError(
             f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but the model embeds only "
