@@ -104,3 +104,25 @@ def single_engine(model):
     from tuneforge.engines.single import SingleEngine
 
     return SingleEngine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
+
+
+def tiny_mixtral(tokenizer, seed: int = 0):
+    """A tiny Mixtral: 4 experts stacked in 3-D parameters, top-2 routing."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return MixtralForCausalLM(config)

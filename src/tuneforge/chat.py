@@ -5,34 +5,27 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers import TextStreamer
 
 from tuneforge.config.schema import TemplateConfig
 from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.templates import get_template
 from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
-from tuneforge.train.checkpoint import read_chat_meta
-
-
-def load_for_chat(checkpoint: Path):
-    transformers.utils.logging.disable_progress_bar()
-    if not (checkpoint / "config.json").exists():
-        raise UserError(
-            f"{checkpoint}: not a model checkpoint (no config.json); pass a checkpoints/step-N or "
-            "checkpoints/final directory"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    return model, tokenizer, read_chat_meta(checkpoint) or {}
+from tuneforge.model.trained import load_trained
 
 
 def run_chat(
-    checkpoint: Path, prompt: str | None, system: str | None, template_name: str | None, max_new_tokens: int
+    checkpoint: Path,
+    prompt: str | None,
+    system: str | None,
+    template_name: str | None,
+    max_new_tokens: int,
+    base: Path | None = None,
 ) -> None:
-    model, tokenizer, meta = load_for_chat(checkpoint)
+    """A full checkpoint, or an adapter on its base model (loaded as in training, k-bit included)."""
+    trained = load_trained(checkpoint, base)
+    model, tokenizer, meta = trained.model, trained.tokenizer, trained.meta
     spec = template_name or meta.get("template")
     if spec is None:
         raise UserError(f"{checkpoint}: no tuneforge.json naming the chat template; pass --template NAME")

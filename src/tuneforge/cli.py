@@ -22,14 +22,27 @@ samples.jsonl, eval.json and checkpoints/step-N/ and checkpoints/final/ in Huggi
 
 CHAT_EXAMPLES = """examples:
   tuneforge chat work_dirs/demo/checkpoints/final --prompt "Convert #ff8800 to RGB."
-  tuneforge chat work_dirs/demo/checkpoints/step-500          (interactive)"""
+  tuneforge chat work_dirs/demo/checkpoints/step-500          (interactive)
+  tuneforge chat work_dirs/qlora/checkpoints/final            (an adapter: its base is loaded as in training)
+  tuneforge chat exported/merged                              (a model written by tuneforge export --merge)"""
+
+EXPORT_EXAMPLES = """examples:
+  tuneforge export work_dirs/lora/checkpoints/final --out exported/adapter
+  tuneforge export work_dirs/lora/checkpoints/final --out exported/merged --merge --dtype bf16
+  tuneforge export work_dirs/lora/checkpoints/final --out exported/adapter --base /models/base
+
+Without --merge: a PEFT adapter directory (PeftModel.from_pretrained loads it onto its base).
+With --merge: a full model in safetensors that AutoModelForCausalLM.from_pretrained loads, adapters folded
+into the base weights (for QLoRA, into the dequantized 4-bit weights the adapter was trained against).
+Both include the tokenizer, the training chat template as Jinja and the generation config."""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tuneforge",
         description="Fine-tune Hugging Face causal language models (dense and MoE; full, LoRA, QLoRA).",
-        epilog="examples:\n  tuneforge train configs/demo.yaml\n  tuneforge chat work_dirs/demo/checkpoints/final",
+        epilog="examples:\n  tuneforge train configs/demo.yaml\n  tuneforge chat work_dirs/demo/checkpoints/final\n"
+        "  tuneforge export work_dirs/demo/checkpoints/final --out exported --merge",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -61,6 +74,21 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="system prompt (default: the one used in training)")
     chat.add_argument("--template", help="chat template name (default: the one used in training)")
     chat.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit (default 256)")
+    chat.add_argument("--base", type=Path, help="base model of an adapter checkpoint (default: as recorded)")
+
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint as a PEFT adapter or a merged full model",
+        epilog=EXPORT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("checkpoint", type=Path, help="a checkpoints/step-N or checkpoints/final directory")
+    export.add_argument("--out", type=Path, required=True, help="new output directory")
+    export.add_argument("--merge", action="store_true", help="fold adapters into the base: one full model")
+    export.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], help="weight dtype (default: the base model's dtype)"
+    )
+    export.add_argument("--base", type=Path, help="base model of an adapter checkpoint (default: as recorded)")
 
     data = commands.add_parser("data", help="check or preview the training data of a config")
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -154,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "chat":
             from tuneforge.chat import run_chat
 
-            run_chat(args.checkpoint, args.prompt, args.system, args.template, args.max_new_tokens)
+            run_chat(args.checkpoint, args.prompt, args.system, args.template, args.max_new_tokens, args.base)
+        elif args.command == "export":
+            from tuneforge.export import export
+
+            for line in export(args.checkpoint, args.out, args.merge, args.dtype, args.base):
+                print(line)
         elif args.command == "data":
             return _data(args)
         elif args.command == "config-docs":

@@ -7,6 +7,7 @@ model is built, so a typo costs seconds, not a cluster allocation.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -16,6 +17,60 @@ class Section(BaseModel):
     """Base for every config section: unknown keys are errors, docstrings document fields."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class LoraSettings(Section):
+    """LoRA adapters through PEFT; the base weights stay frozen."""
+
+    r: int = Field(16, ge=1)
+    """Rank of each adapter."""
+
+    alpha: float = Field(32.0, gt=0)
+    """Scale numerator: updates are scaled by alpha / r (alpha / sqrt(r) with `use_rslora`)."""
+
+    dropout: float = Field(0.05, ge=0, lt=1)
+    """Dropout on the adapter input."""
+
+    targets: str | list[str] = "all-linear"
+    """Where adapters go: `all-linear` (every linear layer except the output head and MoE routers), a list of
+    module names (`q_proj` matches every module whose path ends with it), or a regex matched against whole
+    module paths."""
+
+    experts: bool = False
+    """Also put adapters on the routed experts of MoE models (module lists and stacked expert parameters).
+    Off by default: thousands of expert adapters are slow and rarely needed."""
+
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Modules trained in full and saved with the adapter (for example `lm_head` after adding tokens)."""
+
+    use_dora: bool = False
+    """Weight-decomposed LoRA (DoRA)."""
+
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r)."""
+
+
+class QuantizationConfig(Section):
+    """Frozen base weights stored in k-bit through bitsandbytes (QLoRA); needs `model.lora`."""
+
+    bits: Literal[4, 8] = 4
+    """4-bit (QLoRA) or 8-bit (LLM.int8) base weights."""
+
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    """4-bit data type."""
+
+    double_quant: bool = True
+    """Quantize the quantization constants too (about 0.4 bits per parameter saved)."""
+
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype the 4-bit weights are dequantized to for each matmul."""
+
+    storage_dtype: Literal["auto", "uint8", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype the packed 4-bit data is stored in. `auto`: the compute dtype under DeepSpeed ZeRO-3 and FSDP
+    (they can only shard floating-point parameters), else uint8."""
+
+    skip_modules: list[str] = Field(default_factory=list)
+    """Module names kept in full precision besides the output head (suffix match, like `targets`)."""
 
 
 class ModelConfig(Section):
@@ -43,6 +98,16 @@ class ModelConfig(Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel passed to `transformers`."""
 
+    lora: LoraSettings | None = None
+    """Train LoRA adapters instead of all weights (None: full fine-tuning)."""
+
+    quantization: QuantizationConfig | None = None
+    """Load the frozen base weights quantized (QLoRA with 4 bits); needs `lora`."""
+
+    freeze: list[str] = Field(default_factory=list)
+    """Full fine-tuning only: parameters whose name matches any of these regexes (searched anywhere in the
+    name, for example `embed_tokens` or `layers\\.[0-7]\\.`) are not trained."""
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.architecture is None):
@@ -51,6 +116,15 @@ class ModelConfig(Section):
             raise ValueError("`model.size` only applies with `model.architecture`")
         if self.architecture is not None and self.tokenizer is None:
             raise ValueError("a fresh model needs `model.tokenizer` (a directory, or `bytes`)")
+        if self.quantization is not None and self.lora is None:
+            raise ValueError("quantized weights cannot be trained: add a `model.lora` section (QLoRA)")
+        if self.freeze and self.lora is not None:
+            raise ValueError("`model.freeze` is for full fine-tuning; with `model.lora` only adapters train")
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"`model.freeze`: {pattern!r} is not a regex ({exc})") from None
         return self
 
 
@@ -177,6 +251,14 @@ class TrainConfig(Section):
 
     max_grad_norm: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported)."""
+
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """MoE models: weight of the router load-balancing loss added to the training loss (it equals top_k when
+    routing is balanced). None takes the model config's `router_aux_loss_coef`, else 0.001; 0 turns it off."""
+
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them: about a third more
+    compute for much less activation memory. Turn it on when activations are what does not fit."""
 
     seed: int = 42
     """Seed for model init, shuffling and dropout: the same seed gives the same run on CPU."""

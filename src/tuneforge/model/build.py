@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import importlib
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -10,7 +12,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from tuneforge.config.schema import ModelConfig
 from tuneforge.data.byte_tokenizer import build_byte_tokenizer
+from tuneforge.distributed import DistInfo, barrier
 from tuneforge.errors import UserError
+from tuneforge.model.quantize import bitsandbytes_config, check_cpu_kernel_sizes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +40,7 @@ def _fresh_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase):
         raise UserError(f"model.architecture: {cfg.architecture!r} is not a transformers model type{hint}")
     defaults = AutoConfig.for_model(cfg.architecture)
     for key in cfg.size:
-        if not hasattr(defaults, key):
+        if not hasattr(defaults, key) and not _read_by_modeling_code(cfg.architecture, key):
             close = difflib.get_close_matches(key, list(defaults.to_dict()), n=1)
             hint = f"; did you mean `{close[0]}`?" if close else ""
             raise UserError(f"model.size.{key}: not a field of the {cfg.architecture} config{hint}")
@@ -50,6 +54,17 @@ def _fresh_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase):
             "pad_token_id": tokenizer.pad_token_id,
         },
     )
+
+
+def _read_by_modeling_code(model_type: str, key: str) -> bool:
+    """Some config fields exist only when given (Qwen3-MoE's `head_dim`); the modeling code reading
+    `config.<key>` is what makes them meaningful."""
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return False
+    source = Path(module.__file__).read_text(encoding="utf-8")
+    return f"config.{key}" in source or f'"{key}"' in source
 
 
 def _native_architecture(path: str) -> bool:
@@ -66,32 +81,59 @@ def _native_architecture(path: str) -> bool:
     return True
 
 
-def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
-    """A fresh model is initialised under `seed`, so the same config gives the same weights."""
-    dtype = DTYPES[cfg.dtype]
+def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: bool) -> PreTrainedModel:
+    remote = cfg.trust_remote_code and not _native_architecture(path)
+    options: dict = {"dtype": DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
+    if cfg.quantization is not None:
+        if device.type == "cpu":
+            config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+            check_cpu_kernel_sizes(skeleton, cfg.quantization)
+        options["quantization_config"] = bitsandbytes_config(cfg.quantization, sharded_engine)
+        options["device_map"] = {"": device}
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote, **options)
+    except OSError as exc:
+        raise UserError(f"model.path: cannot load a model from {path!r} ({exc})") from None
+    except ValueError as exc:
+        if "attention implementation" not in str(exc):
+            raise
+        raise UserError(
+            f"model.attn_implementation: {cfg.attn_implementation} is not supported by this model; "
+            "set model.attn_implementation=eager"
+        ) from None
+
+
+def build_model(
+    cfg: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    info: DistInfo | None = None,
+    base_dir: Path | None = None,
+    sharded_engine: bool = False,
+) -> PreTrainedModel:
+    """A fresh model is initialised under `seed`, so the same config gives the same weights. A fresh model
+    trained with adapters is first written to `base_dir` (by rank 0): export, chat and quantized loading need
+    its base weights on disk."""
+    info = info or DistInfo(0, 1, 0, torch.device("cpu"))
     if cfg.architecture is not None:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(
-            _fresh_config(cfg, tokenizer), dtype=dtype, attn_implementation=cfg.attn_implementation
+            _fresh_config(cfg, tokenizer), dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
         )
+        if cfg.lora is not None:
+            if base_dir is None:
+                raise ValueError("a fresh model with adapters needs a base_dir")
+            if info.is_main:
+                model.save_pretrained(base_dir, safe_serialization=True)
+                tokenizer.save_pretrained(base_dir)
+            barrier(info)
+            model.name_or_path = str(base_dir.resolve())
+            if cfg.quantization is not None:
+                model = _load(str(base_dir), cfg, info.device, sharded_engine)
     else:
-        remote = cfg.trust_remote_code and not _native_architecture(cfg.path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.path,
-                dtype=dtype,
-                attn_implementation=cfg.attn_implementation,
-                trust_remote_code=remote,
-            )
-        except OSError as exc:
-            raise UserError(f"model.path: cannot load a model from {cfg.path!r} ({exc})") from None
-        except ValueError as exc:
-            if "attention implementation" not in str(exc):
-                raise
-            raise UserError(
-                f"model.attn_implementation: {cfg.attn_implementation} is not supported by this model; "
-                "set model.attn_implementation=eager"
-            ) from None
+        model = _load(cfg.path, cfg, info.device, sharded_engine)
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise UserError(
             f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but the model embeds only "
@@ -102,6 +144,12 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+
+    def count(param: torch.Tensor) -> int:
+        # Packed k-bit weights hold several values per element; their quantization state knows the real shape.
+        state = getattr(param, "quant_state", None)
+        return int(torch.Size(state.shape).numel()) if state is not None else param.numel()
+
+    trainable = sum(count(p) for p in model.parameters() if p.requires_grad)
+    total = sum(count(p) for p in model.parameters())
     return trainable, total

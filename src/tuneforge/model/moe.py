@@ -19,6 +19,10 @@ class MoEBlock:
     num_experts: int
     layout: str
     """`list`: one module per expert; `stacked`: expert weights stacked in 3-D parameters."""
+    router: nn.Module
+    """The child that scores experts (its weight has one row per expert)."""
+    experts_name: str
+    """Name of the child holding the routed experts (shared experts, if any, are not in it)."""
 
 
 def _expert_count(child: nn.Module) -> tuple[int, str] | None:
@@ -43,13 +47,14 @@ def _router_rows(child: nn.Module) -> int | None:
 def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     blocks = []
     for name, module in model.named_modules():
-        children = list(module.children())
-        experts = [found for child in children if (found := _expert_count(child)) is not None]
+        children = dict(module.named_children())
+        experts = [(child, *found) for child, m in children.items() if (found := _expert_count(m)) is not None]
         if len(experts) != 1:
             continue
-        count, layout = experts[0]
-        if any(_router_rows(child) == count for child in children):
-            blocks.append(MoEBlock(name, module, count, layout))
+        experts_name, count, layout = experts[0]
+        router = next((child for child in children.values() if _router_rows(child) == count), None)
+        if router is not None:
+            blocks.append(MoEBlock(name, module, count, layout, router, experts_name))
     return blocks
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -19,6 +20,7 @@ from tuneforge.data.templates import ChatTemplate
 from tuneforge.distributed import barrier
 from tuneforge.engines import Engine
 from tuneforge.generate import generate_replies
+from tuneforge.model.router_balance import RouterBalance
 from tuneforge.train.checkpoint import prune_checkpoints, save_checkpoint
 from tuneforge.train.loss import loss_sum
 from tuneforge.train.metrics import MetricsLog
@@ -33,6 +35,8 @@ class AccumulatedStep:
     """Mean loss per target token over the whole accumulated batch."""
     num_targets: int
     num_tokens: int
+    router_aux_loss: float | None = None
+    """Router balance loss, weighted by each micro-batch's share of target tokens (MoE models only)."""
 
 
 def accumulate_gradients(
@@ -40,23 +44,35 @@ def accumulate_gradients(
     micro_batches: list[MicroBatch],
     precision: str,
     on_micro_step: Callable[[int], None] | None = None,
+    balance: RouterBalance | None = None,
 ) -> AccumulatedStep:
     """Backward every micro-batch with its loss sum divided by the step's total target count over all ranks,
     so the gradient is that of the mean over all target tokens, however they are split into micro-batches
-    and ranks. Every rank runs the same number of micro-batches and collectives."""
+    and ranks. The router balance loss of a micro-batch is weighted by its share of those targets, so it
+    too is a token-weighted mean; its routing statistics cover the micro-batch of all ranks. Every rank runs
+    the same number of micro-batches and collectives."""
     local_targets = sum(mb.num_targets for mb in micro_batches)
     (total_targets,) = engine.sum_across_ranks([local_targets])
     assert total_targets > 0, "tokenization drops samples without targets"
     loss_total = torch.zeros(())
+    aux_total = torch.zeros(())
     for index, batch in enumerate(micro_batches, start=1):
         with engine.micro_step(last=index == len(micro_batches)):
-            loss = loss_sum(engine.model, batch, precision, engine.unwrapped) / total_targets
-            engine.backward(loss)
+            with balance.capture() if balance is not None else contextlib.nullcontext():
+                loss = loss_sum(engine.model, batch, precision, engine.unwrapped) / total_targets
+            objective = loss
+            if balance is not None:
+                aux = balance.loss(batch.attention_mask, batch.num_targets, total_targets, engine.sum_across_ranks)
+                objective = loss + balance.coef * aux
+                aux_total += aux.detach().cpu()
+            engine.backward(objective)
         loss_total += loss.detach().cpu()
         if on_micro_step is not None:
             on_micro_step(index)
-    loss, tokens = engine.sum_across_ranks([float(loss_total), sum(mb.num_tokens for mb in micro_batches)])
-    return AccumulatedStep(loss, int(total_targets), int(tokens))
+    loss, aux, tokens = engine.sum_across_ranks(
+        [float(loss_total), float(aux_total), sum(mb.num_tokens for mb in micro_batches)]
+    )
+    return AccumulatedStep(loss, int(total_targets), int(tokens), aux if balance is not None else None)
 
 
 def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
@@ -91,8 +107,10 @@ class Trainer:
         batches: BatchPlanner,
         work_dir: Path,
         watchdog: StallWatchdog,
+        balance: RouterBalance | None = None,
     ):
         self.cfg = cfg
+        self.balance = balance
         self.engine = engine
         self.is_main = engine.info.is_main
         self.tokenizer = tokenizer
@@ -119,6 +137,13 @@ class Trainer:
         self.checkpoints_dir = work_dir / "checkpoints"
         data = cfg.data.model_dump(mode="json")
         self.chat_meta = {"template": data["template"], "system": data["system"]}
+        if cfg.model.lora is not None:
+            # How to rebuild the model the adapter was trained on: chat and export load the base the same way.
+            self.chat_meta["adapter"] = {
+                "dtype": cfg.model.dtype,
+                "trust_remote_code": cfg.model.trust_remote_code,
+                "quantization": cfg.model.quantization.model_dump() if cfg.model.quantization else None,
+            }
 
     def run(self) -> list[dict]:
         cfg, engine = self.cfg, self.engine
@@ -151,6 +176,8 @@ class Trainer:
                     "trained_tokens": accumulated.num_targets,
                     "elapsed_s": time.monotonic() - started,
                 }
+                if accumulated.router_aux_loss is not None:
+                    record["router_aux_loss"] = accumulated.router_aux_loss
                 if metrics_log is not None:
                     metrics_log.write(record)
                 history.append(record)
@@ -180,7 +207,7 @@ class Trainer:
             last = now
 
         self.watchdog.beat("forward/backward", training=step > 1)
-        return accumulate_gradients(self.engine, micro_batches, self.cfg.train.precision, on_micro_step)
+        return accumulate_gradients(self.engine, micro_batches, self.cfg.train.precision, on_micro_step, self.balance)
 
     def sample_chats(self, step: int) -> None:
         evaluation = self.cfg.eval

@@ -13,6 +13,7 @@ def _format_step(step: int, metrics: dict[str, float]) -> str:
     return (
         f"loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  grad_norm {metrics['grad_norm']:.3f}  "
         f"tok/s {metrics['tokens_per_s']:,.0f}"
+        + (f"  router_aux {metrics['router_aux_loss']:.4f}" if "router_aux_loss" in metrics else "")
     )
 
 

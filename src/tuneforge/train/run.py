@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,11 +18,19 @@ from tuneforge.data.templates import get_template
 from tuneforge.distributed import DistInfo, barrier, init_distributed
 from tuneforge.engines import build_engine, choose_engine
 from tuneforge.errors import UserError
+from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import build_model, build_tokenizer, count_parameters
+from tuneforge.model.router_balance import attach_router_balance
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.loop import Trainer
 from tuneforge.train.optim import build_optimizer
 from tuneforge.watchdog import StallWatchdog
+
+
+def quiet_known_noise() -> None:
+    """DeepSpeed calls collectives that torch 2.13 renamed; the deprecation notices repeat every step and say
+    nothing actionable to a user."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 def seed_everything(seed: int) -> None:
@@ -31,6 +40,7 @@ def seed_everything(seed: int) -> None:
 
 def run_training(cfg: Config, work_dir: Path) -> dict:
     """Train as configured; returns a summary (final loss, steps, accuracy if configured)."""
+    quiet_known_noise()
     info = init_distributed()
     work_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
@@ -75,17 +85,26 @@ def _train(
         raise UserError(f"data: no trainable samples left in {', '.join(cfg.data.train_files)}; see the report above")
 
     watchdog.beat("model", training=False)
-    model = build_model(cfg.model, tokenizer, cfg.train.seed)
+    sharded_engine = engine_name == "fsdp" or (engine_name == "deepspeed" and cfg.parallel.zero_stage == 3)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", sharded_engine)
+    architecture = type(model).__name__
+    model, notes = make_trainable(model, cfg.model, cfg.train.gradient_checkpointing)
+    for note in notes:
+        say(note)
     trainable, total = count_parameters(model)
     say(
-        f"model: {type(model).__name__}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable, "
-        f"weights {cfg.model.dtype}, compute {cfg.train.precision}"
+        f"model: {architecture}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable "
+        f"({100 * trainable / total:.2f}%), weights {cfg.model.dtype}, compute {cfg.train.precision}"
     )
+
+    balance, balance_note = attach_router_balance(model, cfg.train.router_aux_loss_coef)
+    if balance_note:
+        say(balance_note)
 
     seed_everything(cfg.train.seed)
     engine = build_engine(engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train)
     planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
-    trainer = Trainer(cfg, engine, tokenizer, template, planner, work_dir, watchdog)
+    trainer = Trainer(cfg, engine, tokenizer, template, planner, work_dir, watchdog, balance)
     global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation * info.world_size
     say(
         f"train: {trainer.total_steps} optimizer steps of {cfg.train.gradient_accumulation} x "

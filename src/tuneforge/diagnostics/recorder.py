@@ -1,0 +1,177 @@
+"""A ring buffer of the collectives this rank issued, and the module running when it issued each one.
+
+Every `torch.distributed` collective entry point that DDP, FSDP2 and DeepSpeed reach from Python is wrapped
+once per process (`install`), so each call is numbered and kept with its op, tensor shapes and dtypes, and the
+innermost module whose forward was running. Two ranks that issue the same program have the same sequence;
+the first number at which they differ is where they diverged. DDP's bucket all-reduces run in C++ and are
+recorded through a communication hook in the DDP engine instead.
+
+Module tracking uses the global forward hooks of `torch.nn` (no model code is touched): a stack of names,
+pushed before and popped after each forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+RING_SIZE = 512
+WRAPPED = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "_all_gather_base",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+)
+
+
+@dataclass
+class CollectiveRecord:
+    seq: int
+    op: str
+    shapes: list[list[int]]
+    dtypes: list[str]
+    module: str
+    phase: str
+    started: float
+    """time.time() when issued."""
+    seconds: float | None = None
+    """How long the call took (None while in flight; asynchronous calls return at once)."""
+
+    def signature(self) -> tuple:
+        """What must match across ranks for the collective to pair up."""
+        return (self.op, tuple(map(tuple, self.shapes)), tuple(self.dtypes))
+
+    def describe(self) -> str:
+        tensors = ", ".join(f"{tuple(s)} {d}" for s, d in zip(self.shapes, self.dtypes, strict=False)) or "no tensors"
+        return f"#{self.seq} {self.op}({tensors}) in {self.module or '-'} [{self.phase}]"
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+class CollectiveRecorder:
+    def __init__(self, size: int = RING_SIZE):
+        self.records: deque[CollectiveRecord] = deque(maxlen=size)
+        self.seq = 0
+        self.phase = "startup"
+        self.in_flight: CollectiveRecord | None = None
+        self._modules: list[str] = []
+        self._names: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._handles: list[Any] = []
+        self._originals: dict[str, Callable] = {}
+
+    # -- modules -------------------------------------------------------------------------------------------
+    def track_modules(self, model: nn.Module) -> None:
+        self._names = {id(module): name or type(module).__name__ for name, module in model.named_modules()}
+        if not self._handles:
+            self._handles = [
+                nn.modules.module.register_module_forward_pre_hook(self._enter),
+                nn.modules.module.register_module_forward_hook(self._leave, always_call=True),
+            ]
+
+    def _enter(self, module: nn.Module, _args: Any) -> None:
+        name = self._names.get(id(module))
+        if name is not None:
+            self._modules.append(name)
+
+    def _leave(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        if self._names.get(id(module)) is not None and self._modules:
+            self._modules.pop()
+
+    @property
+    def module(self) -> str:
+        return self._modules[-1] if self._modules else ""
+
+    # -- collectives ---------------------------------------------------------------------------------------
+    def record(self, op: str, args: tuple, kwargs: dict) -> CollectiveRecord:
+        tensors = [t for value in (*args, *kwargs.values()) for t in _tensors(value)]
+        with self._lock:
+            self.seq += 1
+            entry = CollectiveRecord(
+                seq=self.seq,
+                op=op,
+                shapes=[list(t.shape) for t in tensors[:4]],
+                dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors[:4]],
+                module=self.module,
+                phase=self.phase,
+                started=time.time(),
+            )
+            self.records.append(entry)
+            self.in_flight = entry
+        return entry
+
+    def done(self, entry: CollectiveRecord) -> None:
+        entry.seconds = time.time() - entry.started
+        if self.in_flight is entry:
+            self.in_flight = None
+
+    def _wrap(self, name: str, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            entry = self.record(name, args, kwargs)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.done(entry)
+
+        recorded.__tuneforge_recorded__ = True  # type: ignore[attr-defined]
+        return recorded
+
+    def install(self) -> None:
+        """Wrap the collective entry points of `torch.distributed` (idempotent, process-wide)."""
+        for name in WRAPPED:
+            original = getattr(dist, name, None)
+            if original is None or getattr(original, "__tuneforge_recorded__", False):
+                continue
+            self._originals[name] = original
+            setattr(dist, name, self._wrap(name, original))
+
+    def uninstall(self) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return [asdict(entry) for entry in self.records]
+
+
+RECORDER = CollectiveRecorder()
+"""One per process: collectives are process-wide."""

@@ -1,0 +1,95 @@
+"""`tuneforge export`: a checkpoint as a PEFT adapter, or as a merged full model, in the formats the ecosystem
+loads (safetensors, tokenizer with a Jinja chat template, generation config)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tuneforge.config.schema import TemplateConfig
+from tuneforge.data.jinja_template import to_jinja
+from tuneforge.data.templates import PromptTemplate, get_template
+from tuneforge.errors import UserError
+from tuneforge.model.trained import ADAPTER_CONFIG, adapter_base, base_dtype, is_adapter, load_trained
+from tuneforge.train.checkpoint import CHAT_META, read_chat_meta
+
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def attach_chat_template(tokenizer: PreTrainedTokenizerBase, meta: dict) -> str:
+    """Give the tokenizer the chat template training used, as Jinja; returns what was done."""
+    spec = meta.get("template")
+    if spec is None:
+        return "chat template: none recorded (no tuneforge.json); the tokenizer's own is kept"
+    template = get_template(TemplateConfig.model_validate(spec) if isinstance(spec, dict) else spec)
+    if not isinstance(template, PromptTemplate):
+        return "chat template: the tokenizer's own (as in training)"
+    tokenizer.chat_template = to_jinja(template, meta.get("system"))
+    return f"chat template: {spec if isinstance(spec, str) else 'inline'} written as Jinja into tokenizer_config.json"
+
+
+def _prepare_out(out: Path) -> Path:
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out}: directory exists and is not empty; remove it or choose another")
+    tmp = out.parent / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _finish(tmp: Path, out: Path) -> None:
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+
+
+def export(checkpoint: Path, out: Path, merge: bool, dtype_name: str | None, base: Path | None = None) -> list[str]:
+    """Write the export atomically; returns lines describing it."""
+    meta = read_chat_meta(checkpoint) or {}
+    adapter = is_adapter(checkpoint)
+    if adapter and not merge:
+        return _export_adapter(checkpoint, out, dtype_name, base, meta)
+    trained = load_trained(checkpoint, base, merge=True)
+    dtype = EXPORT_DTYPES[dtype_name] if dtype_name else base_dtype(trained.base or str(checkpoint))
+    tmp = _prepare_out(out)
+    model = trained.model.to(dtype)
+    model.generation_config.eos_token_id = trained.tokenizer.eos_token_id
+    model.generation_config.pad_token_id = trained.tokenizer.pad_token_id
+    model.save_pretrained(tmp, safe_serialization=True)
+    note = attach_chat_template(trained.tokenizer, meta)
+    trained.tokenizer.save_pretrained(tmp)
+    (tmp / CHAT_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "adapter"}, indent=2))
+    _finish(tmp, out)
+    what = "merged into the dequantized base" if meta.get("adapter", {}).get("quantization") else "merged"
+    kind = f"adapter {what}" if adapter else "full model"
+    return [f"exported {kind}: {out} ({str(dtype).removeprefix('torch.')}, safetensors)", note]
+
+
+def _export_adapter(checkpoint: Path, out: Path, dtype_name: str | None, base: Path | None, meta: dict) -> list[str]:
+    base_path = adapter_base(checkpoint, base)
+    tmp = _prepare_out(out)
+    config = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = str(Path(base_path).resolve())
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    weights = load_file(checkpoint / ADAPTER_WEIGHTS)
+    if dtype_name:
+        weights = {name: tensor.to(EXPORT_DTYPES[dtype_name]) for name, tensor in weights.items()}
+    save_file(weights, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    note = attach_chat_template(tokenizer, meta)
+    tokenizer.save_pretrained(tmp)
+    (tmp / CHAT_META).write_text(json.dumps(meta, indent=2))
+    _finish(tmp, out)
+    lines = [f"exported adapter: {out} (base {base_path}; load with PeftModel.from_pretrained)", note]
+    if meta.get("adapter", {}).get("quantization"):
+        lines.append(
+            "note: trained against the k-bit base; load the base with the same BitsAndBytesConfig for the outputs "
+            "seen in training, or export --merge"
+        )
+    return lines

@@ -1,0 +1,154 @@
+"""What trains: LoRA adapters through PEFT (targets resolved here, by structure), or all weights minus
+`model.freeze` patterns.
+
+Targets are resolved to exact module paths before PEFT sees them, so the run can say precisely which
+module kinds got adapters, and MoE routers, the output head and (by default) routed experts are left
+out whatever naming a model uses.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from torch import nn
+
+from tuneforge.config.schema import LoraSettings, ModelConfig
+from tuneforge.errors import UserError
+from tuneforge.model.moe import find_moe_blocks
+
+
+@dataclass(frozen=True)
+class LoraTargets:
+    modules: list[str]
+    """Full paths of linear layers that get an adapter."""
+    parameters: list[str]
+    """Full paths of stacked expert parameters (3-D) that get an adapter."""
+    skipped_experts: int
+    """Expert linear layers and stacked expert tensors left out because `experts` is off."""
+
+    def describe(self) -> str:
+        kinds = Counter(name.rsplit(".", 1)[-1] for name in self.modules)
+        kinds.update(".".join(name.rsplit(".", 2)[-2:]) for name in self.parameters)  # e.g. experts.down_proj
+        listed = ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
+        text = f"{len(self.modules) + len(self.parameters)} adapters ({listed})"
+        if self.skipped_experts:
+            text += f"; {self.skipped_experts} routed-expert weights left out (model.lora.experts=false)"
+        return text
+
+
+def _matches(name: str, targets: str | list[str]) -> bool:
+    if targets == "all-linear":
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == target or name.endswith("." + target) for target in targets)
+
+
+def resolve_lora_targets(model: nn.Module, settings: LoraSettings) -> LoraTargets:
+    blocks = find_moe_blocks(model)
+    routers = {id(block.router) for block in blocks}
+    expert_roots = [f"{block.name}.{block.experts_name}" if block.name else block.experts_name for block in blocks]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def in_experts(name: str) -> bool:
+        return any(name == root or name.startswith(root + ".") for root in expert_roots)
+
+    modules, parameters, skipped = [], [], 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is head or id(module) in routers:
+            continue
+        if not _matches(name, settings.targets):
+            continue
+        if in_experts(name) and not settings.experts:
+            skipped += 1
+            continue
+        modules.append(name)
+    for block in blocks:
+        if block.layout != "stacked":
+            continue
+        experts = getattr(block.module, block.experts_name)
+        root = f"{block.name}.{block.experts_name}" if block.name else block.experts_name
+        for param_name, param in experts.named_parameters(recurse=False):
+            if param.ndim != 3 or not _matches(f"{root}.{param_name}", settings.targets):
+                continue
+            if settings.experts:
+                parameters.append(f"{root}.{param_name}")
+            else:
+                skipped += 1
+    if not modules and not parameters:
+        raise UserError(
+            f"model.lora.targets: {settings.targets!r} matches no linear layer of this model "
+            "(the output head and MoE routers are never targets); try `all-linear`"
+        )
+    return LoraTargets(modules, parameters, skipped)
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> tuple[nn.Module, str]:
+    """The PEFT model with adapters on the resolved targets, and a line saying where they went."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = resolve_lora_targets(model, settings)
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets.modules,
+        target_parameters=targets.parameters or None,
+        modules_to_save=settings.modules_to_save or None,
+        use_dora=settings.use_dora,
+        use_rslora=settings.use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config)
+    return (
+        peft_model,
+        f"lora: r={settings.r} alpha={settings.alpha:g} dropout={settings.dropout:g}, {targets.describe()}",
+    )
+
+
+def freeze_parameters(model: nn.Module, patterns: list[str]) -> str:
+    """Full fine-tuning with some parameters frozen; a line saying how many matched."""
+    if not patterns:
+        return ""
+    compiled = [re.compile(p) for p in patterns]
+    frozen = 0
+    for name, param in model.named_parameters():
+        if any(p.search(name) for p in compiled):
+            param.requires_grad_(False)
+            frozen += 1
+    if frozen == 0:
+        raise UserError(
+            f"model.freeze: {patterns} matches no parameter name; `tuneforge` names are like "
+            f"{next(iter(dict(model.named_parameters())))!r}"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(f"model.freeze: {patterns} freezes every parameter; nothing would train")
+    return f"freeze: {frozen} parameter tensors frozen by model.freeze"
+
+
+def make_trainable(model: nn.Module, cfg: ModelConfig, gradient_checkpointing: bool) -> tuple[nn.Module, list[str]]:
+    """k-bit preparation, activation checkpointing, then adapters or freezing; lines saying what was done."""
+    notes = []
+    checkpointing = {"use_reentrant": False}  # the non-reentrant form needs no input gradients and nests safely
+    if cfg.quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        # Casts the remaining full-precision weights (norms, embeddings) to fp32 for stable training.
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing, gradient_checkpointing_kwargs=checkpointing
+        )
+        q = cfg.quantization
+        kind = f"{q.bits}-bit" + (f" {q.quant_type}{', double quant' if q.double_quant else ''}" if q.bits == 4 else "")
+        notes.append(f"quantization: base weights {kind}, compute {q.compute_dtype}")
+    elif gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+    if gradient_checkpointing:
+        notes.append("gradient checkpointing: on (activations recomputed in backward)")
+    if cfg.lora is not None:
+        model, note = apply_lora(model, cfg.lora)
+        notes.append(note)
+    elif cfg.freeze:
+        notes.append(freeze_parameters(model, cfg.freeze))
+    return model, notes

@@ -1,0 +1,68 @@
+"""k-bit base weights through bitsandbytes (QLoRA), with the checks that turn its deep assertions into
+clear messages."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuneforge.config.schema import QuantizationConfig
+from tuneforge.errors import UserError
+
+CPU_BLOCK = 32
+"""bitsandbytes' CPU 4-bit kernels split a layer's outputs into blocks of this many rows."""
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
+
+
+def storage_dtype(settings: QuantizationConfig, sharded_engine: bool) -> torch.dtype:
+    """ZeRO-3 and FSDP partition only floating-point parameters: packed 4-bit data must be stored in a float
+    dtype there, which bitsandbytes supports through its quant storage setting."""
+    if settings.storage_dtype != "auto":
+        return DTYPES[settings.storage_dtype]
+    return DTYPES[settings.compute_dtype] if sharded_engine else torch.uint8
+
+
+def bitsandbytes_config(settings: QuantizationConfig, sharded_engine: bool):
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise UserError(
+            "model.quantization needs bitsandbytes: pip install 'tuneforge[qlora]' (or pip install bitsandbytes)"
+        ) from None
+    skip = ["lm_head", *settings.skip_modules]
+    if settings.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=settings.quant_type,
+        bnb_4bit_use_double_quant=settings.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[settings.compute_dtype],
+        bnb_4bit_quant_storage=storage_dtype(settings, sharded_engine),
+        llm_int8_skip_modules=skip,
+    )
+
+
+def check_cpu_kernel_sizes(skeleton: nn.Module, settings: QuantizationConfig) -> None:
+    """On CPU, bitsandbytes' 4-bit kernels assert that every quantized layer's output size is a multiple of
+    32 (deep inside the first single-token forward). Check the model's shapes before loading any weight."""
+    if settings.bits != 4:
+        return
+    head = skeleton.get_output_embeddings()
+    skip = ["lm_head", *settings.skip_modules]
+    bad = [
+        f"{name} ({module.out_features})"
+        for name, module in skeleton.named_modules()
+        if isinstance(module, nn.Linear)
+        and module is not head
+        and not any(name == s or name.endswith("." + s) for s in skip)
+        and module.out_features % CPU_BLOCK
+    ]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise UserError(
+            f"model.quantization: bitsandbytes' CPU 4-bit kernels need every quantized layer's output size to be "
+            f"a multiple of {CPU_BLOCK}; these are not: {shown}. Resize the model, list those modules in "
+            "model.quantization.skip_modules, or train on a GPU"
+        )

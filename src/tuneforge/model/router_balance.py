@@ -1,0 +1,142 @@
+"""The router's auxiliary load-balancing loss, for any MoE model whose routers output their logits.
+
+Router logits are recorded with forward hooks on the router modules found by structure, rather than
+through `output_router_logits`: `transformers` then computes its own balance loss from the attention
+mask, which breaks on the 4-D block-diagonal masks of packed batches, and remote-code models differ
+in how they return it. Recording is switched on only around training forward passes, so generation
+and activation recomputation during backward never add entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from tuneforge.errors import UserError
+from tuneforge.model.moe import find_moe_blocks
+
+DEFAULT_COEF = 0.001
+"""The coefficient Mixtral, Qwen-MoE and DeepSeek-V2 were trained with."""
+
+
+def routing_stats(logits: torch.Tensor, top_k: int, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k assignments per expert, summed router probability per expert) over the weighted tokens.
+    The counts carry no gradient (top-k is piecewise constant); the probability sums do."""
+    probs = logits.reshape(-1, logits.size(-1)).float().softmax(dim=-1)
+    weights = weights.to(probs.device)
+    chosen = probs.topk(top_k, dim=-1).indices.reshape(-1)
+    counts = torch.zeros(probs.size(-1), device=probs.device).index_add_(0, chosen, weights.repeat_interleave(top_k))
+    return counts.detach(), (probs * weights[:, None]).sum(dim=0)
+
+
+def combine(counts: torch.Tensor, prob_sums: torch.Tensor, real_tokens: float) -> torch.Tensor:
+    """Switch-Transformer balance loss per layer from (layers, experts) statistics, averaged over layers:
+    num_experts * sum_i (assignments to i / tokens) * (mean probability of i). It equals top_k when routing
+    is perfectly balanced, as in `transformers`."""
+    num_experts = counts.size(-1)
+    per_layer = num_experts * ((counts / real_tokens) * (prob_sums / real_tokens)).sum(dim=-1)
+    return per_layer.mean()
+
+
+def balance_loss(layer_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor) -> torch.Tensor:
+    """The balance loss of one batch, on real (unmasked) tokens only."""
+    weights = token_mask.reshape(-1).float()
+    stats = [routing_stats(logits, top_k, weights) for logits in layer_logits]
+    counts = torch.stack([c for c, _ in stats])
+    prob_sums = torch.stack([p for _, p in stats])
+    return combine(counts, prob_sums, float(weights.sum().clamp(min=1.0)))
+
+
+class RouterBalance:
+    """Records router logits during `capture()` and turns them into the balance loss of that forward."""
+
+    def __init__(self, routers: list[nn.Module], num_experts: int, top_k: int, coef: float):
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.coef = coef
+        self._recording = False
+        self._logits: list[torch.Tensor] = []
+        self._handles = [router.register_forward_hook(self._record) for router in routers]
+
+    def _record(self, _module: nn.Module, _inputs: object, output: object) -> None:
+        if not self._recording:
+            return
+        logits = output[0] if isinstance(output, tuple) else output
+        if not isinstance(logits, torch.Tensor) or logits.size(-1) != self.num_experts:
+            raise UserError(
+                "train.router_aux_loss_coef: this model's router does not return its logits first; "
+                "set train.router_aux_loss_coef=0"
+            )
+        self._logits.append(logits)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        self._logits = []
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def loss(
+        self,
+        token_mask: torch.Tensor,
+        num_targets: int,
+        total_targets: float,
+        sum_across_ranks: Callable[[list[float]], list[float]],
+    ) -> torch.Tensor:
+        """This rank's part of the balance loss of the global micro-batch (this micro-batch on every rank),
+        weighted by that micro-batch's share of the step's target tokens. Routing counts and token counts are
+        summed over ranks in one small collective, so the loss, like the language-model loss, does not depend
+        on how the global batch is split across ranks; summed over ranks, the parts give the whole."""
+        logits, self._logits = self._logits, []
+        if not logits:
+            raise RuntimeError("no router logits were recorded in this forward pass")
+        weights = token_mask.reshape(-1).float()
+        stats = [routing_stats(layer, self.top_k, weights) for layer in logits]
+        counts = torch.stack([c for c, _ in stats])
+        prob_sums = torch.stack([p for _, p in stats])
+        summed = sum_across_ranks([*counts.flatten().tolist(), float(weights.sum()), float(num_targets)])
+        global_counts = torch.tensor(summed[:-2], dtype=counts.dtype, device=counts.device).view_as(counts)
+        real_tokens, micro_targets = max(summed[-2], 1.0), summed[-1]
+        return combine(global_counts, prob_sums, real_tokens) * (micro_targets / total_targets)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def attach_router_balance(model: nn.Module, requested_coef: float | None) -> tuple[RouterBalance | None, str]:
+    """Hooks for the balance loss on MoE models, and a line saying what was chosen. `requested_coef` None
+    takes the model config's `router_aux_loss_coef`, else DEFAULT_COEF; 0 turns the loss off."""
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        if requested_coef:
+            raise UserError("train.router_aux_loss_coef: the model has no MoE layers; remove the setting")
+        return None, ""
+    config = getattr(model, "config", None)
+    coef = requested_coef
+    source = "train.router_aux_loss_coef"
+    if coef is None:
+        configured = getattr(config, "router_aux_loss_coef", None)
+        coef, source = (configured, "the model config") if configured is not None else (DEFAULT_COEF, "default")
+    if coef == 0:
+        return None, "router balance loss: off (train.router_aux_loss_coef=0)"
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if top_k is None and requested_coef is None:
+        return None, "router balance loss: off (the model config has no num_experts_per_tok)"
+    if top_k is None:
+        raise UserError(
+            "train.router_aux_loss_coef: the model config has no num_experts_per_tok, so the balance loss "
+            "cannot tell how many experts each token uses; set train.router_aux_loss_coef=0"
+        )
+    counts = {block.num_experts for block in blocks}
+    if len(counts) != 1:
+        raise UserError(f"train.router_aux_loss_coef: MoE layers with different expert counts {sorted(counts)}")
+    balance = RouterBalance([block.router for block in blocks], counts.pop(), int(top_k), float(coef))
+    return balance, (
+        f"router balance loss: coefficient {coef:g} ({source}) over {len(blocks)} MoE layers, top-{top_k} routing"
+    )

@@ -1,0 +1,105 @@
+"""Loading what training wrote: a full model checkpoint, or an adapter on top of its base model.
+
+An adapter's base is rebuilt the way it was trained (recorded in `tuneforge.json`): a QLoRA adapter is
+applied to the same 4-bit weights it learned against, or to their dequantized values when merging, so
+the result computes what the training model computed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from tuneforge.config.schema import QuantizationConfig
+from tuneforge.errors import UserError
+from tuneforge.model.build import DTYPES
+from tuneforge.model.quantize import bitsandbytes_config
+from tuneforge.train.checkpoint import read_chat_meta
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass
+class Trained:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    meta: dict[str, Any]
+    base: str | None
+    """The base model directory of an adapter checkpoint (None for a full model)."""
+
+
+def is_adapter(checkpoint: Path) -> bool:
+    return (checkpoint / ADAPTER_CONFIG).exists()
+
+
+def _check_checkpoint(checkpoint: Path) -> None:
+    if not checkpoint.is_dir():
+        raise UserError(f"{checkpoint}: no such checkpoint directory")
+    if not (checkpoint / "config.json").exists() and not is_adapter(checkpoint):
+        raise UserError(
+            f"{checkpoint}: not a model checkpoint (neither config.json nor {ADAPTER_CONFIG}); pass a "
+            "checkpoints/step-N or checkpoints/final directory"
+        )
+
+
+def adapter_base(checkpoint: Path, base: Path | None = None) -> str:
+    recorded = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    path = str(base) if base is not None else recorded
+    if not path or not Path(path).exists():
+        raise UserError(
+            f"{checkpoint}: the adapter's base model {path!r} (from {ADAPTER_CONFIG}) is not here; "
+            "pass --base DIR with the model it was trained on"
+        )
+    return path
+
+
+def _load_base(path: str, adapter_meta: dict[str, Any], dequantize: bool) -> PreTrainedModel:
+    remote = bool(adapter_meta.get("trust_remote_code", False))
+    quantization = adapter_meta.get("quantization")
+    if quantization is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=remote)
+    settings = QuantizationConfig.model_validate(quantization)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        trust_remote_code=remote,
+        quantization_config=bitsandbytes_config(settings, sharded_engine=False),
+        device_map={"": "cpu"},
+    )
+    if dequantize:
+        # The exact values the adapter was trained against, as plain float32 weights.
+        model = model.dequantize()
+    return model
+
+
+def load_trained(checkpoint: Path, base: Path | None = None, merge: bool = False) -> Trained:
+    """The trained model in float32 on CPU. With `merge`, adapters are folded into (dequantized) base weights
+    and a plain `transformers` model is returned."""
+    from peft import PeftModel
+
+    transformers.utils.logging.disable_progress_bar()
+    _check_checkpoint(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    meta = read_chat_meta(checkpoint) or {}
+    if not is_adapter(checkpoint):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        return Trained(model.eval(), tokenizer, meta, None)
+    base_path = adapter_base(checkpoint, base)
+    base_model = _load_base(base_path, meta.get("adapter", {}), dequantize=merge)
+    model = PeftModel.from_pretrained(base_model, checkpoint)
+    if merge:
+        model = model.merge_and_unload()
+    return Trained(model.eval(), tokenizer, meta, base_path)
+
+
+def base_dtype(path: str) -> torch.dtype:
+    """The dtype a model directory's weights were saved in (float32 when not recorded)."""
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return DTYPES.get(name, torch.float32)
