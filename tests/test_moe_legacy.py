@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -16,6 +18,7 @@ from tuneforge.model.moe import find_moe_blocks
 from conftest import REPO, chat, write_jsonl
 
 ASSET = REPO / "tests" / "assets" / "modeling_legacy_moe.py"
+FAST_WATCHDOG = ["watchdog.stall_timeout_s=5", "watchdog.report_grace_s=3", "watchdog.doctor=warn"]
 ENGINES = {
     "zero3": ["parallel.engine=deepspeed", "parallel.zero_stage=3", "parallel.cpu_offload=all"],
     "fsdp": ["parallel.engine=fsdp"],
@@ -95,6 +98,13 @@ def test_without_leaf_modules_zero3_fails_instead_of_finishing(legacy_job):
     issue different per-expert parameter gathers. It ends in a gloo error or in our watchdog's stall report,
     never in a finished run. (FSDP2 on CPU finished this job even without zero gradients for idle experts, so
     there is no such proof for it here; torch documents that setting for exactly this MoE case.)"""
-    result = run(legacy_job, "zero3-unsafe", *ENGINES["zero3"], "parallel.moe_safety=false")
+    started = time.monotonic()
+    result = run(legacy_job, "zero3-unsafe", *ENGINES["zero3"], "parallel.moe_safety=false", *FAST_WATCHDOG)
     assert result.returncode != 0
     assert "step 4/4" not in result.stdout
+    # The diagnosis names the cause and an expert module where the ranks' collectives part.
+    report = (legacy_job / "zero3-unsafe" / "diagnostics" / "report.txt").read_text()
+    assert "likely cause: an MoE block whose experts run only on some ranks" in report
+    assert re.search(r"rank \d: \w*all_gather\w*\(.*\) in layers\.\d\.moe\.experts\.\d+", report), report
+    assert "diagnosis" in result.stderr
+    assert time.monotonic() - started < 60  # start-up, a 5 s stall limit and a 3 s grace, with slack

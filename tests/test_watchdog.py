@@ -37,9 +37,12 @@ def run_script(tmp_path, script: str) -> subprocess.CompletedProcess:
 def test_stall_dumps_stacks_and_exits_non_zero(tmp_path):
     result = run_script(tmp_path, SCRIPT)
     assert result.returncode == STALL_EXIT_CODE
-    assert "no progress for" in result.stderr and "phase 'optimizer'" in result.stderr
-    assert "in stuck_in_a_collective" in result.stderr
-    dump = (tmp_path / "stall-rank0.txt").read_text()
+    assert "tuneforge diagnosis: HANG (stuck)" in result.stderr
+    assert "rank 0 (stall): phase optimizer" in result.stderr and "in stuck_in_a_collective" in result.stderr
+    assert "no progress for 1s (limit 1s)" in result.stderr
+    assert result.stderr.count("tuneforge diagnosis") == 1
+    assert (tmp_path / "report.txt").read_text().startswith("tuneforge diagnosis: HANG")
+    dump = (tmp_path / "stacks-rank-0.txt").read_text()
     assert "stuck_in_a_collective" in dump and "time.sleep(60)" in dump
 
 
@@ -47,4 +50,4 @@ def test_no_report_while_progress_continues(tmp_path):
     script = SCRIPT.replace("stuck_in_a_collective()\n", "dog.stop()\n").replace("range(3)", "range(10)")
     result = run_script(tmp_path, script)
     assert result.returncode == 0, result.stderr
-    assert not (tmp_path / "stall-rank0.txt").exists()
+    assert not (tmp_path / "stacks-rank-0.txt").exists() and not (tmp_path / "report.txt").exists()

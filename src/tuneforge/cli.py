@@ -110,6 +110,27 @@ def _parser() -> argparse.ArgumentParser:
     preview.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     preview.add_argument("-n", type=int, default=3, help="how many samples (default 3)")
 
+    doctor = commands.add_parser(
+        "doctor",
+        help="check a config, its model and this machine for known-bad set-ups (also run by train)",
+        epilog="examples:\n  tuneforge doctor my.yaml --nproc-per-node 8\n"
+        "  tuneforge doctor my.yaml parallel.engine=fsdp",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument("config", type=Path, help="YAML config file")
+    doctor.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    doctor.add_argument("--nproc-per-node", type=int, default=1, help="processes per node it will run with")
+    doctor.add_argument("--nnodes", type=int, default=1, help="nodes it will run with")
+
+    diagnose = commands.add_parser(
+        "diagnose",
+        help="print a run's hang report, or dump a running job's stacks and collectives",
+        epilog="examples:\n  tuneforge diagnose work_dirs/my\n  tuneforge diagnose --live work_dirs/my",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    diagnose.add_argument("work_dir", type=Path, help="the run's work dir")
+    diagnose.add_argument("--live", action="store_true", help="dump a running job without stopping it")
+
     commands.add_parser(
         "config-docs",
         help="list every config key with its default and meaning",
@@ -132,10 +153,42 @@ def _train(args: argparse.Namespace) -> int:
 
         worker_argv = ["train", str(args.config), *args.overrides, "--work-dir", str(work_dir)]
         return launch_workers(
-            worker_argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, args.master_port
+            worker_argv,
+            args.nproc_per_node,
+            args.nnodes,
+            args.node_rank,
+            args.master_addr,
+            args.master_port,
+            work_dir,
         )
     run_training(config, work_dir)
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from tuneforge.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    from tuneforge.data.pipeline import prepare_data
+    from tuneforge.data.templates import get_template
+    from tuneforge.distributed import DistInfo
+    from tuneforge.doctor import FAIL, format_checks, run_checks
+    from tuneforge.engines import choose_engine
+    from tuneforge.model.build import build_tokenizer
+
+    world_size = args.nproc_per_node * args.nnodes
+    engine = choose_engine(config.parallel.engine, DistInfo(0, world_size, 0, torch_device()))
+    tokenizer = build_tokenizer(config.model)
+    data = prepare_data(config.data, tokenizer, get_template(config.data.template), 0, 1)
+    checks = run_checks(config, engine, world_size, tokenizer, len(data.train.data))
+    print(format_checks(checks))
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def torch_device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -172,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # Overrides may come after options too (`train cfg.yaml --work-dir d a.b=1`): collect the rest.
     args, rest = parser.parse_known_args(argv)
-    if rest and (args.command not in ("train", "data") or any("=" not in r or r.startswith("-") for r in rest)):
+    with_overrides = ("train", "data", "doctor")
+    if rest and (args.command not in with_overrides or any("=" not in r or r.startswith("-") for r in rest)):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command in ("train", "data"):
+    if args.command in with_overrides:
         args.overrides = [*args.overrides, *rest]
     try:
         if args.command == "train":
@@ -188,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
 
             for line in export(args.checkpoint, args.out, args.merge, args.dtype, args.base):
                 print(line)
+        elif args.command == "doctor":
+            return _doctor(args)
+        elif args.command == "diagnose":
+            from tuneforge.diagnostics.live import last_report, live_dump
+
+            print(live_dump(args.work_dir) if args.live else last_report(args.work_dir))
         elif args.command == "data":
             return _data(args)
         elif args.command == "config-docs":

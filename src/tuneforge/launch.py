@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as elastic_run
 
+from tuneforge.diagnostics.report import REPORT, build_report
+
 
 def launch_workers(
-    argv: list[str], nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str, master_port: int
+    argv: list[str],
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    work_dir: Path | None = None,
 ) -> int:
-    """Run `python -m tuneforge <argv>` in N workers per node; returns non-zero if any worker failed."""
+    """Run `python -m tuneforge <argv>` in N workers per node; returns non-zero if any worker failed. When a
+    worker fails without the watchdog's report (killed, crashed), the report is built here from the ranks'
+    heartbeats and exit statuses."""
     launcher_args = [
         f"--nproc-per-node={nproc_per_node}",
         f"--nnodes={nnodes}",
@@ -23,9 +36,28 @@ def launch_workers(
         *argv,
     ]
     args = get_args_parser().parse_args(launcher_args)
+    started = time.time()
     try:
         elastic_run(args)
-    except Exception as exc:  # ChildFailedError: the workers already printed their errors
-        print(f"tuneforge: a worker failed ({type(exc).__name__}); see the messages above", file=sys.stderr)
+    except ChildFailedError as exc:
+        report_failure(exc, work_dir, nproc_per_node * nnodes, started)
         return 1
     return 0
+
+
+def report_failure(exc: ChildFailedError, work_dir: Path | None, world_size: int, started: float) -> None:
+    first_rank_failed, first = exc.get_first_failure()
+    print(f"tuneforge: rank {first_rank_failed} failed first (exit {first.exitcode})", file=sys.stderr)
+    if work_dir is None:
+        return
+    diagnostics = work_dir / "diagnostics"
+    report = diagnostics / REPORT
+    if report.exists() and report.stat().st_mtime >= started:
+        print(f"tuneforge: diagnosis above, and in {report}", file=sys.stderr)
+        return
+    if not diagnostics.exists():
+        return
+    exit_codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+    text = build_report(diagnostics, world_size, exit_codes)
+    report.write_text(text + "\n")
+    print(text, file=sys.stderr)

@@ -1,54 +1,187 @@
-"""Stall watchdog (single process): no progress beat for too long -> stacks dumped, exit non-zero.
+"""Stall watchdog: every stall becomes a per-rank diagnosis and a non-zero exit within a bounded time.
 
-The training loop beats at every phase change. A monitor thread checks the age of the last beat;
-it keeps running while the main thread is stuck in C code (a collective, a kernel) because such
-calls release the GIL. `faulthandler` is armed as a backstop for a main thread that holds the
-GIL forever. Per-rank diagnosis across processes builds on this in the distributed watchdog.
+The training loop beats at every phase change (data, forward/backward, optimizer, generation, eval, save).
+A monitor thread per rank, independent of the process group, does three things:
+
+- writes this rank's heartbeat (phase, step, module, recent collectives) to `diagnostics/live/` every
+  second: a side channel that works when the collectives are stuck, and across nodes on shared storage;
+- warns when this rank waits in a collective for a peer that is busy elsewhere (a straggler: "slow");
+- when this rank makes no progress for the limit, dumps every thread's stack and its recent collectives,
+  waits briefly for the other ranks' dumps, lets the lowest rank that dumped write one report
+  (`diagnostics/report.txt`, see `diagnostics.report`), and exits with STALL_EXIT_CODE.
+
+The thread keeps running while the main thread is blocked in C code (collectives release the GIL).
+`faulthandler` is armed as a backstop for a main thread that never releases the GIL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import json
 import os
+import signal
+import socket
+import statistics
 import sys
 import threading
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 
+from tuneforge.diagnostics.recorder import RECORDER, CollectiveRecorder
+
 STALL_EXIT_CODE = 3
+TRAINING_PHASES = ("data", "forward/backward", "optimizer")
+SLOW_PHASES = ("save", "model", "startup")
+"""Phases that may legitimately take long (writing a large checkpoint, loading weights): the start-up limit."""
+HEARTBEAT_EVERY_S = 1.0
+RECENT_COLLECTIVES = 32
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomic, so a reader on another process (or node) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, default=str))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def exception_site(exc: BaseException) -> str:
+    """`file:line in function` of the innermost frame of an exception outside the collective recorder."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "diagnostics/recorder.py" not in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+
+
+def thread_stacks(skip_current: bool = True) -> tuple[str, str]:
+    """(text of every thread's stack, `file:line in function` of the main thread's innermost frame outside
+    the collective recorder)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()
+    dump = []
+    for ident, frame in frames.items():
+        if skip_current and ident == threading.get_ident():
+            continue
+        dump.append(f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_stack(frame))}")
+    where = ""
+    main = frames.get(threading.main_thread().ident)
+    if main is not None:
+        stack = [f for f in traceback.extract_stack(main) if "tuneforge/diagnostics/recorder.py" not in f.filename]
+        if stack:
+            last = stack[-1]
+            where = f"{last.filename}:{last.lineno} in {last.name}"
+    return "\n".join(dump), where
 
 
 class StallWatchdog:
-    def __init__(self, diagnostics_dir: Path, startup_timeout_s: float, stall_timeout_s: float, enabled: bool = True):
+    def __init__(
+        self,
+        diagnostics_dir: Path,
+        startup_timeout_s: float,
+        stall_timeout_s: float | None,
+        enabled: bool = True,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        floor_s: float = 300.0,
+        step_multiple: float = 10.0,
+        grace_s: float = 10.0,
+        recorder: CollectiveRecorder = RECORDER,
+    ):
         self.diagnostics_dir = diagnostics_dir
+        self.live_dir = diagnostics_dir / "live"
         self.startup_timeout_s = startup_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.enabled = enabled
+        self.rank = rank
+        self.world_size = world_size
+        self.floor_s = floor_s
+        self.step_multiple = step_multiple
+        self.grace_s = grace_s
+        self.recorder = recorder
         self.phase = "startup"
+        self.step = 0
+        self.total_steps: int | None = None
+        self.micro_step = 0
+        self.micro_steps = 0
         self.last_beat = time.monotonic()
         self.started_training = False
+        self.step_times: deque[float] = deque(maxlen=50)
+        self._step_started: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._backstop_file = None
+        self._warned: set[tuple[int, int]] = set()
+        self._failing = threading.Lock()
 
+    # -- limits ---------------------------------------------------------------------------------------------
     @property
     def limit_s(self) -> float:
-        return self.stall_timeout_s if self.started_training else self.startup_timeout_s
+        if not self.started_training or self.phase in SLOW_PHASES:
+            return self.startup_timeout_s
+        if self.stall_timeout_s is not None:
+            return self.stall_timeout_s
+        if not self.step_times:
+            return self.startup_timeout_s
+        return max(self.floor_s, self.step_multiple * statistics.median(self.step_times))
 
+    @property
+    def warn_after_s(self) -> float:
+        """How long a wait in a collective for a busy peer is worth a "slow" line."""
+        return max(1.0, self.limit_s / 4)
+
+    # -- life cycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.recorder.phase = self.phase
         if not self.enabled:
             return
-        self.diagnostics_dir.mkdir(parents=True, exist_ok=True)
-        self._backstop_file = (self.diagnostics_dir / "backstop-stacks.txt").open("w")
+        self.live_dir.mkdir(parents=True, exist_ok=True)
+        self._backstop_file = (self.diagnostics_dir / f"backstop-stacks-rank{self.rank}.txt").open("w")
         self._arm_backstop()
+        # Stacks on SIGTERM (the launcher stopping this rank because another failed), written from C, so they
+        # come even while the main thread is blocked in a collective; then the default action terminates.
+        if threading.current_thread() is threading.main_thread():
+            faulthandler.register(signal.SIGTERM, file=self._backstop_file, all_threads=True, chain=True)
+        self._write_heartbeat()
         self._thread = threading.Thread(target=self._watch, name="tuneforge-watchdog", daemon=True)
         self._thread.start()
 
-    def beat(self, phase: str, training: bool = True) -> None:
-        """Record progress. `training=True` marks that the first micro-step is done (the short limit applies)."""
+    def beat(
+        self,
+        phase: str,
+        training: bool = True,
+        step: int | None = None,
+        micro_step: int | None = None,
+        micro_steps: int | None = None,
+    ) -> None:
+        """Record progress. `training=True` marks that the first micro-step is done (the step-based limit
+        applies from then on)."""
+        now = time.monotonic()
+        publish = phase != self.phase and phase in (*SLOW_PHASES, "eval", "generation")
+        if step is not None and step != self.step:
+            if self._step_started is not None and self.started_training:
+                self.step_times.append(now - self._step_started)
+            self._step_started = now
+            self.step = step
+            publish = True
+        if micro_step is not None:
+            self.micro_step = micro_step
+        if micro_steps is not None:
+            self.micro_steps = micro_steps
         self.phase = phase
-        self.last_beat = time.monotonic()
+        self.recorder.phase = phase
+        self.last_beat = now
+        if publish:
+            # Steps and rare phases are published at once, so a rank that dies right after still told the others
+            # where it was (the monitor thread only writes every second).
+            self._write_heartbeat()
         if training and not self.started_training:
             self.started_training = True
             if self.enabled:
@@ -59,38 +192,148 @@ class StallWatchdog:
         if self._thread is not None:
             self._thread.join()
             faulthandler.cancel_dump_traceback_later()
+            if threading.current_thread() is threading.main_thread():
+                faulthandler.unregister(signal.SIGTERM)
             self._backstop_file.close()
-            (self.diagnostics_dir / "backstop-stacks.txt").unlink(missing_ok=True)
+            (self.diagnostics_dir / f"backstop-stacks-rank{self.rank}.txt").unlink(missing_ok=True)
+            self._write_heartbeat(finished=True)
 
     def _arm_backstop(self) -> None:
         # Re-armed rarely (not per beat): it fires only if the monitor thread itself cannot run.
         faulthandler.dump_traceback_later(self.limit_s * 2 + 60, repeat=False, file=self._backstop_file, exit=True)
 
+    # -- monitor thread -------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.limit_s / 4)):
-            idle = time.monotonic() - self.last_beat
+        last_heartbeat = 0.0
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            if now - last_heartbeat >= HEARTBEAT_EVERY_S:
+                self._write_heartbeat()
+                last_heartbeat = now
+            self._check_request()
+            idle = now - self.last_beat
+            if self.world_size > 1 and idle > self.warn_after_s:
+                self._warn_if_waiting_for_a_straggler()
             if idle > self.limit_s:
-                self._report(idle)
-                os._exit(STALL_EXIT_CODE)
+                if self.world_size > 1 and self._peer_still_progressing():
+                    continue  # collectives are still moving: slow, not hung; the "slow" lines say who
+                self.fail("stall", f"no progress for {idle:.0f}s (limit {self.limit_s:.0f}s)")
 
-    def _report(self, idle: float) -> None:
-        names = {t.ident: t.name for t in threading.enumerate()}
-        frames = sys._current_frames()
-        dump = []
-        for ident, frame in frames.items():
-            if ident == threading.get_ident():
-                continue
-            dump.append(f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_stack(frame))}")
-        path = self.diagnostics_dir / "stall-rank0.txt"
-        path.write_text(f"no progress for {idle:.0f}s in phase {self.phase}\n\n" + "\n".join(dump))
-        main = frames.get(threading.main_thread().ident)
-        where = ""
-        if main is not None:
-            last = traceback.extract_stack(main)[-1]
-            where = f"; main thread at {last.filename}:{last.lineno} in {last.name}"
-        print(
-            f"tuneforge watchdog: no progress for {idle:.0f}s (limit {self.limit_s:.0f}s) in phase "
-            f"'{self.phase}'{where}. Stacks of every thread: {path}. Exiting with status {STALL_EXIT_CODE}.",
-            file=sys.stderr,
-            flush=True,
+    def state(self) -> dict:
+        in_flight = self.recorder.in_flight
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "phase": self.phase,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "micro_step": self.micro_step,
+            "micro_steps": self.micro_steps,
+            "module": self.recorder.module,
+            "seq": self.recorder.seq,
+            "in_flight": in_flight.describe() if in_flight is not None else None,
+            "in_flight_seq": in_flight.seq if in_flight is not None else None,
+            "idle_s": time.monotonic() - self.last_beat,
+            "limit_s": self.limit_s,
+            "step_times": list(self.step_times)[-10:],
+            "updated": time.time(),
+        }
+
+    def _write_heartbeat(self, finished: bool = False) -> None:
+        if not self.enabled:
+            return
+        data = {**self.state(), "finished": finished, "collectives": self.recorder.snapshot()[-RECENT_COLLECTIVES:]}
+        # A full or vanished disk must not kill training; the stall path reports what it can.
+        with contextlib.suppress(OSError):
+            write_json(self.live_dir / f"rank-{self.rank}.json", data)
+
+    def peers(self) -> dict[int, dict]:
+        found = {}
+        for rank in range(self.world_size):
+            if rank != self.rank and (data := read_json(self.live_dir / f"rank-{rank}.json")) is not None:
+                found[rank] = data
+        return found
+
+    def _peer_still_progressing(self) -> bool:
+        now = time.time()
+        return any(
+            now - p["updated"] < 3 * HEARTBEAT_EVERY_S and p["idle_s"] < self.limit_s and not p.get("finished")
+            for p in self.peers().values()
         )
+
+    def _warn_if_waiting_for_a_straggler(self) -> None:
+        waiting = self.recorder.in_flight
+        if waiting is None:
+            return
+        now = time.time()
+        waited = now - waiting.started
+        for rank, peer in self.peers().items():
+            behind = peer["seq"] < waiting.seq and peer.get("in_flight") is None
+            fresh = now - peer["updated"] < 3 * HEARTBEAT_EVERY_S
+            # Busy, not stuck: loading data, or it made progress since this rank started waiting. (A peer blocked
+            # in a collective that runs in C++, such as DDP's, looks idle in another phase: that is a hang.)
+            busy = peer["phase"] == "data" or peer["idle_s"] < waited - 2 * HEARTBEAT_EVERY_S
+            fresh = fresh and busy
+            if not (behind and fresh) or (self.step, rank) in self._warned:
+                continue
+            self._warned.add((self.step, rank))
+            times = ", ".join(
+                f"rank {r}: {statistics.median(p['step_times']):.2f}s"
+                for r, p in sorted({**self.peers(), self.rank: self.state()}.items())
+                if p.get("step_times")
+            )
+            print(
+                f"tuneforge watchdog: slow, not hung: rank {self.rank} has waited {now - waiting.started:.1f}s in "
+                f"{waiting.op} #{waiting.seq} for rank {rank}, which is busy in phase '{peer['phase']}' at step "
+                f"{peer['step']} ({peer['idle_s']:.1f}s so far); straggler: rank {rank}"
+                + (f". Median step times: {times}" if times else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+
+    # -- live dumps -----------------------------------------------------------------------------------------
+    def _check_request(self) -> None:
+        """`tuneforge diagnose --live` asks by writing a request file: dump without stopping."""
+        request = self.live_dir / "request"
+        try:
+            requested = request.stat().st_mtime
+        except OSError:
+            return
+        answered = self.live_dir / f"answered-rank-{self.rank}"
+        if answered.exists() and answered.stat().st_mtime >= requested:
+            return
+        self.dump("live", "requested by tuneforge diagnose --live", prefix="live")
+        answered.touch()
+
+    # -- failure --------------------------------------------------------------------------------------------
+    def dump(self, reason: str, detail: str, prefix: str = "rank", where: str | None = None) -> Path:
+        stacks, main_where = thread_stacks()
+        where = where or main_where
+        state = {
+            **self.state(),
+            "reason": reason,
+            "detail": detail,
+            "where": where,
+            "collectives": self.recorder.snapshot(),
+        }
+        (self.diagnostics_dir / f"stacks-{prefix}-{self.rank}.txt").write_text(
+            f"rank {self.rank}: {reason}: {detail}\nphase {self.phase}, step {self.step}, at {where}\n\n{stacks}"
+        )
+        path = self.diagnostics_dir / f"{prefix}-{self.rank}.json"
+        write_json(path, state)
+        return path
+
+    def fail(self, reason: str, detail: str, exit_process: bool = True, where: str | None = None) -> None:
+        """Dump, coordinate one report across ranks, print it, and (from the monitor thread) exit."""
+        from tuneforge.diagnostics.report import collect_and_report
+
+        if not self._failing.acquire(blocking=False):
+            return
+        self.dump(reason, detail, where=where)
+        report = collect_and_report(self.diagnostics_dir, self.rank, self.world_size, self.grace_s)
+        if report is not None:
+            print(report, file=sys.stderr, flush=True)
+        if exit_process:
+            os._exit(STALL_EXIT_CODE)

@@ -359,10 +359,24 @@ class WatchdogConfig(Section):
     """Dump every thread's stack to `diagnostics/` and exit non-zero when training stalls."""
 
     startup_timeout_s: float = Field(1800.0, gt=0)
-    """Allowed time for model set-up and the first micro-step."""
+    """Allowed time for model set-up and the first micro-step, and for saving a checkpoint."""
 
-    stall_timeout_s: float = Field(600.0, gt=0)
-    """Allowed time between two progress beats after the first micro-step."""
+    stall_timeout_s: float | None = Field(None, gt=0)
+    """Allowed time without progress after the first micro-step. None: `stall_step_multiple` times the median
+    step time, at least `stall_floor_s`."""
+
+    stall_floor_s: float = Field(300.0, gt=0)
+    """Smallest automatic stall limit."""
+
+    stall_step_multiple: float = Field(10.0, gt=1)
+    """Automatic stall limit as a multiple of the median optimizer step time."""
+
+    report_grace_s: float = Field(10.0, gt=0)
+    """After a stall, how long each rank waits for the others' dumps before the report is written."""
+
+    doctor: Literal["fail", "warn", "off"] = "fail"
+    """The pre-flight checks of `tuneforge doctor` at train start: `fail` stops on a failed check, `warn` only
+    reports (for reproducing a known-bad set-up on purpose), `off` skips them."""
 
 
 class Config(Section):

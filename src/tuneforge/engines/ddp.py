@@ -7,11 +7,24 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.single import SingleEngine, global_grad_norm
 from tuneforge.model.moe import find_moe_blocks
+
+
+def _recorded_allreduce(state, bucket):
+    entry = RECORDER.record("all_reduce", (bucket.buffer(),), {})
+    entry.module = f"DDP gradient bucket {bucket.index()}"
+
+    def finished(future: torch.futures.Future) -> torch.Tensor:
+        RECORDER.done(entry)
+        return future.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(finished)
 
 
 class DDPEngine(SingleEngine):
@@ -32,6 +45,8 @@ class DDPEngine(SingleEngine):
             # MoE blocks skip experts that receive no tokens, leaving their parameters without gradients.
             find_unused_parameters=bool(find_moe_blocks(self._plain)),
         )
+        # DDP's gradient all-reduces run in C++; a communication hook makes them visible to the recorder.
+        self._model.register_comm_hook(state=None, hook=_recorded_allreduce)
 
     @property
     def unwrapped(self) -> torch.nn.Module:

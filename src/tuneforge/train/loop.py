@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from tuneforge.config.schema import Config
 from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.templates import ChatTemplate
+from tuneforge.diagnostics.faults import injected_fault
 from tuneforge.distributed import barrier
 from tuneforge.engines import Engine
 from tuneforge.generate import generate_replies
@@ -45,6 +48,8 @@ def accumulate_gradients(
     precision: str,
     on_micro_step: Callable[[int], None] | None = None,
     balance: RouterBalance | None = None,
+    on_micro_start: Callable[[int], None] | None = None,
+    skip_target_sync: bool = False,
 ) -> AccumulatedStep:
     """Backward every micro-batch with its loss sum divided by the step's total target count over all ranks,
     so the gradient is that of the mean over all target tokens, however they are split into micro-batches
@@ -52,11 +57,14 @@ def accumulate_gradients(
     too is a token-weighted mean; its routing statistics cover the micro-batch of all ranks. Every rank runs
     the same number of micro-batches and collectives."""
     local_targets = sum(mb.num_targets for mb in micro_batches)
-    (total_targets,) = engine.sum_across_ranks([local_targets])
+    # `skip_target_sync` exists only for fault injection (a rank that skips a collective).
+    (total_targets,) = [local_targets] if skip_target_sync else engine.sum_across_ranks([local_targets])
     assert total_targets > 0, "tokenization drops samples without targets"
     loss_total = torch.zeros(())
     aux_total = torch.zeros(())
     for index, batch in enumerate(micro_batches, start=1):
+        if on_micro_start is not None:
+            on_micro_start(index)
         with engine.micro_step(last=index == len(micro_batches)):
             with balance.capture() if balance is not None else contextlib.nullcontext():
                 loss = loss_sum(engine.model, batch, precision, engine.unwrapped) / total_targets
@@ -111,6 +119,7 @@ class Trainer:
     ):
         self.cfg = cfg
         self.balance = balance
+        self.fault = injected_fault()
         self.engine = engine
         self.is_main = engine.info.is_main
         self.tokenizer = tokenizer
@@ -135,6 +144,7 @@ class Trainer:
             cfg.log.every_steps,
         )
         self.checkpoints_dir = work_dir / "checkpoints"
+        watchdog.total_steps = self.total_steps
         data = cfg.data.model_dump(mode="json")
         self.chat_meta = {"template": data["template"], "system": data["system"]}
         if cfg.model.lora is not None:
@@ -156,10 +166,14 @@ class Trainer:
                 self.sample_chats(step=0)
             groups = step_groups(self.batches, cfg.train.gradient_accumulation)
             for step in range(1, self.total_steps + 1):
-                self.watchdog.beat("data", training=step > 1)
+                self.watchdog.beat("data", training=step > 1, step=step, micro_step=0)
                 step_start = time.monotonic()
                 epoch, micro_batches = next(groups)
-                accumulated = self._forward_backward(step, micro_batches)
+                self._inject_data_fault(step)
+                planned = len(micro_batches)
+                if self.fault is not None and self.fault.due("extra_batch", self.engine.info.rank, step):
+                    micro_batches = [*micro_batches, micro_batches[-1]]
+                accumulated = self._forward_backward(step, micro_batches, planned)
                 self.watchdog.beat("optimizer")
                 lr = self.schedule(step)
                 grad_norm = engine.step(lr, cfg.train.max_grad_norm)
@@ -186,6 +200,9 @@ class Trainer:
                     self.sample_chats(step)
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                     self.save(f"step-{step}", step)
+                if self.fault is not None and self.fault.due("rank_only_collective", self.engine.info.rank, step):
+                    self.watchdog.beat("eval")
+                    torch.distributed.all_reduce(torch.zeros(1, device=self.engine.info.device))
             if cfg.eval.sample_prompts:
                 self.sample_chats(self.total_steps)
             if cfg.checkpoint.save_final:
@@ -196,8 +213,11 @@ class Trainer:
             self.progress.close()
         return history
 
-    def _forward_backward(self, step: int, micro_batches: list[MicroBatch]) -> AccumulatedStep:
+    def _forward_backward(self, step: int, micro_batches: list[MicroBatch], planned: int) -> AccumulatedStep:
         last = time.monotonic()
+
+        def on_micro_start(index: int) -> None:
+            self.watchdog.beat("forward/backward", training=step > 1 or index > 1, micro_step=index)
 
         def on_micro_step(index: int) -> None:
             nonlocal last
@@ -206,8 +226,26 @@ class Trainer:
             self.progress.micro_step(step, index, len(micro_batches), now - last)
             last = now
 
-        self.watchdog.beat("forward/backward", training=step > 1)
-        return accumulate_gradients(self.engine, micro_batches, self.cfg.train.precision, on_micro_step, self.balance)
+        self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
+        skip = self.fault is not None and self.fault.due("skip_all_reduce", self.engine.info.rank, step)
+        return accumulate_gradients(
+            self.engine,
+            micro_batches,
+            self.cfg.train.precision,
+            on_micro_step,
+            self.balance,
+            on_micro_start=on_micro_start,
+            skip_target_sync=skip,
+        )
+
+    def _inject_data_fault(self, step: int) -> None:
+        rank = self.engine.info.rank
+        if self.fault is None:
+            return
+        if self.fault.due("sleep_data", rank, step):
+            time.sleep(self.fault.seconds)
+        if self.fault.due("kill", rank, step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def sample_chats(self, step: int) -> None:
         evaluation = self.cfg.eval

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,9 @@ from tuneforge.data.loader import make_planner, padding_by_strategy
 from tuneforge.data.pipeline import prepare_data
 from tuneforge.data.report import format_report
 from tuneforge.data.templates import get_template
+from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.distributed import DistInfo, barrier, init_distributed
+from tuneforge.doctor import FAIL, format_checks, run_checks
 from tuneforge.engines import build_engine, choose_engine
 from tuneforge.errors import UserError
 from tuneforge.model.adapters import make_trainable
@@ -24,7 +27,7 @@ from tuneforge.model.router_balance import attach_router_balance
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.loop import Trainer
 from tuneforge.train.optim import build_optimizer
-from tuneforge.watchdog import StallWatchdog
+from tuneforge.watchdog import StallWatchdog, exception_site
 
 
 def quiet_known_noise() -> None:
@@ -47,6 +50,8 @@ def run_training(cfg: Config, work_dir: Path) -> dict:
     say: Callable[[str], None] = print if info.is_main else (lambda _: None)
     if info.is_main:
         dump_config(cfg, work_dir / "config.yaml")
+        # Dumps of an earlier run in this work dir would confuse this run's diagnosis.
+        shutil.rmtree(work_dir / "diagnostics", ignore_errors=True)
     barrier(info)
     say(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
     engine_name = choose_engine(cfg.parallel.engine, info)
@@ -56,12 +61,30 @@ def run_training(cfg: Config, work_dir: Path) -> dict:
         f"{torch.get_num_threads()} CPU threads each"
     )
 
+    if info.distributed:
+        RECORDER.install()  # before any engine exists: DeepSpeed keeps references to the functions it uses
+    dog = cfg.watchdog
     watchdog = StallWatchdog(
-        work_dir / "diagnostics", cfg.watchdog.startup_timeout_s, cfg.watchdog.stall_timeout_s, cfg.watchdog.enabled
+        work_dir / "diagnostics",
+        dog.startup_timeout_s,
+        dog.stall_timeout_s,
+        dog.enabled,
+        rank=info.rank,
+        world_size=info.world_size,
+        floor_s=dog.stall_floor_s,
+        step_multiple=dog.stall_step_multiple,
+        grace_s=dog.report_grace_s,
     )
     watchdog.start()
     try:
         return _train(cfg, work_dir, watchdog, info, engine_name, say)
+    except (torch.distributed.DistError, RuntimeError) as exc:
+        if info.distributed and dog.enabled:
+            # A collective that failed (gloo/NCCL errors on mismatched calls) or a rank that failed on its own (out
+            # of memory) leaves the others waiting: the same diagnosis as a hang.
+            message = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+            watchdog.fail("error", message, exit_process=False, where=exception_site(exc))
+        raise
     finally:
         watchdog.stop()
         if info.distributed:
@@ -84,6 +107,15 @@ def _train(
     if len(data.train.data) == 0:
         raise UserError(f"data: no trainable samples left in {', '.join(cfg.data.train_files)}; see the report above")
 
+    if cfg.watchdog.doctor != "off":
+        checks = run_checks(cfg, engine_name, info.world_size, tokenizer, len(data.train.data))
+        say(format_checks(checks))
+        failed = [c for c in checks if c.status == FAIL]
+        if failed and cfg.watchdog.doctor == "fail":
+            raise UserError(
+                "doctor: " + "; ".join(f"{c.name}: {c.fix}" for c in failed) + " (watchdog.doctor=warn to go on)"
+            )
+
     watchdog.beat("model", training=False)
     sharded_engine = engine_name == "fsdp" or (engine_name == "deepspeed" and cfg.parallel.zero_stage == 3)
     model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", sharded_engine)
@@ -104,6 +136,7 @@ def _train(
     seed_everything(cfg.train.seed)
     engine = build_engine(engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train)
     planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
+    RECORDER.track_modules(engine.unwrapped)
     trainer = Trainer(cfg, engine, tokenizer, template, planner, work_dir, watchdog, balance)
     global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation * info.world_size
     say(

@@ -1,0 +1,337 @@
+"""One report from every rank's dump: where each rank is, where their collectives part, who diverged or died,
+and the likely cause with its fix.
+
+Inputs are the per-rank dumps written at a stall or error (`diagnostics/rank-R.json`) and, for ranks that
+could not dump (killed, crashed), their last heartbeat (`diagnostics/live/rank-R.json`) and exit status.
+Everything here is a pure function of those files, so `tuneforge diagnose` can rebuild a report later.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tuneforge.watchdog import TRAINING_PHASES, read_json
+
+REPORT = "report.txt"
+EXPERT_MODULE = re.compile(r"(^|\.)experts(\.|$)")
+RANK_ONLY_PHASES = ("save", "eval", "generation")
+
+
+@dataclass(frozen=True)
+class Cause:
+    key: str
+    title: str
+    fix: str
+
+
+CAUSES = {
+    "killed": Cause(
+        "killed",
+        "a crashed or killed rank: the others wait forever in a collective it will never join",
+        "read that rank's own error above or in its log; a rank killed by SIGKILL without a message is usually "
+        "the kernel's OOM killer (check `dmesg`), so lower the memory per process (smaller micro-batch, "
+        "parallel.cpu_offload, gradient checkpointing); then resume from the last checkpoint",
+    ),
+    "moe": Cause(
+        "moe",
+        "an MoE block whose experts run only on some ranks: each rank gathers or reduces the parameters of the "
+        "experts its own tokens picked, so the ranks issue different collectives (the original report's hang)",
+        "keep parallel.moe_safety: true (MoE blocks become ZeRO-3 leaf modules; FSDP2 reduces zeros for idle "
+        "experts), and prefer transformers' native implementation over trust_remote_code",
+    ),
+    "uneven_data": Cause(
+        "uneven_data",
+        "uneven data: one rank runs a batch the others do not have, so it waits in that batch's collectives",
+        "give every rank the same number of micro-batches per step (tuneforge's planner does; a custom sampler "
+        "must pad or drop the remainder)",
+    ),
+    "generation": Cause(
+        "generation",
+        "generation of different lengths on sharded parameters: a rank that finished its replies stops calling "
+        "forward, while the others still need it for every parameter gather",
+        "generate with synced steps on every rank (tuneforge does for fsdp and ZeRO-3: synced_gpus=True)",
+    ),
+    "rank_only_path": Cause(
+        "rank_only_path",
+        "a code path taken by some ranks only (such as evaluation or saving on rank 0 alone) that issues a "
+        "collective the other ranks never issue",
+        "run evaluation, saving and any callback that touches the model on every rank, or keep collectives "
+        "out of rank-0-only code",
+    ),
+    "skipped_collective": Cause(
+        "skipped_collective",
+        "the ranks' programs differ: one rank issued a collective the other skipped (a condition that differs "
+        "between ranks, such as a data-dependent branch)",
+        "make the branch the same on every rank (decide it from values all-reduced first), or issue the "
+        "collective unconditionally",
+    ),
+    "mismatch": Cause(
+        "mismatch",
+        "the ranks issued different collectives at the same point (different ops or tensor shapes)",
+        "compare the two stacks in diagnostics/stacks-rank-*.txt: the code paths differ from that line",
+    ),
+    "stuck": Cause(
+        "stuck",
+        "one process made no progress: its main thread is blocked at the line shown (a data source that never "
+        "answers, a deadlocked worker, a kernel that never returns)",
+        "read the main thread's stack in the stacks file; the innermost tuneforge or user frame is where it waits",
+    ),
+    "same_collective": Cause(
+        "same_collective",
+        "every rank waits in the same collective: no divergence in the program; the transport itself is stuck "
+        "(network, NCCL/gloo configuration) or a rank outside this job holds it",
+        "check the network between the nodes (NCCL_DEBUG=INFO, NCCL_SOCKET_IFNAME, NCCL_IB_* settings naming "
+        "devices that exist) and rerun",
+    ),
+}
+
+
+@dataclass
+class Diagnosis:
+    cause: Cause
+    diverged: list[int]
+    detail: list[str] = field(default_factory=list)
+
+
+def _alive(heartbeat: dict | None) -> bool | None:
+    """Whether a rank's process still exists (None when it ran on another host)."""
+    if heartbeat is None or heartbeat.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(int(heartbeat["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _first_divergence(sequences: dict[int, dict[int, dict]]) -> tuple[int, dict[int, dict | None]] | None:
+    """The first sequence number at which the ranks' records differ (or some rank has none), with each rank's
+    record there. Only the range every ring buffer still holds is compared."""
+    start = max(min(seq) if seq else 1 for seq in sequences.values())
+    end = max(max(seq) if seq else 0 for seq in sequences.values())
+    for number in range(start, end + 1):
+        at = {rank: seq.get(number) for rank, seq in sequences.items()}
+        signatures = {
+            (r["op"], tuple(map(tuple, r["shapes"])), tuple(r["dtypes"])) if r is not None else None
+            for r in at.values()
+        }
+        if len(signatures) > 1:
+            return number, at
+    return None
+
+
+def _describe_record(record: dict | None) -> str:
+    if record is None:
+        return "nothing (never issued it)"
+    tensors = (
+        ", ".join(f"{tuple(s)} {d}" for s, d in zip(record["shapes"], record["dtypes"], strict=False)) or "no tensors"
+    )
+    return f"{record['op']}({tensors}) in {record['module'] or '-'} [{record['phase']}]"
+
+
+def _signature(record: dict) -> tuple:
+    return record["op"], tuple(map(tuple, record["shapes"])), tuple(record["dtypes"])
+
+
+def _extra_on(sequences: dict[int, dict[int, dict]], number: int) -> list[int]:
+    """Ranks that issued one collective more at `number`: the rest of their sequence equals the others' shifted
+    by one. Empty when it cannot be told (for example when every rank stopped at `number`)."""
+    extra = []
+    for rank, seq in sequences.items():
+        others = [s for r, s in sequences.items() if r != rank]
+        pairs = [(seq[n + 1], other[n]) for other in others for n in other if n >= number and n + 1 in seq]
+        if pairs and all(_signature(mine) == _signature(theirs) for mine, theirs in pairs):
+            extra.append(rank)
+    return extra if len(extra) < len(sequences) else []
+
+
+def _minority(at: dict[int, dict | None]) -> list[int]:
+    groups: dict[tuple | None, list[int]] = {}
+    for rank, record in at.items():
+        groups.setdefault(_signature(record) if record is not None else None, []).append(rank)
+    sizes = sorted(len(g) for g in groups.values())
+    if len(groups) < 2 or sizes[0] == sizes[-1]:
+        return []
+    return sorted(min(groups.values(), key=len))
+
+
+EXTERNAL_KILLS = ("SIGKILL", "never reported", "is gone", "stopped reporting")
+"""Deaths that come from outside the program (OOM killer, scheduler, operator) rather than from a mismatch."""
+
+
+def diagnose(states: dict[int, dict], missing: dict[int, str]) -> Diagnosis:
+    """`states`: the dumps (or last heartbeats) of ranks; `missing`: ranks that died, with how. A rank killed
+    from outside is the cause; a rank that aborted (gloo aborts on a mismatched collective) is usually the
+    consequence of a divergence, which is then named, with the death in the details."""
+    died = [f"rank {r} {how}" for r, how in sorted(missing.items())]
+    if any(any(k in how for k in EXTERNAL_KILLS) for how in missing.values()):
+        return Diagnosis(CAUSES["killed"], sorted(missing), died)
+    found = _diagnose_program(states)
+    if missing and found.cause.key in ("same_collective", "stuck"):
+        return Diagnosis(CAUSES["killed"], sorted(missing), died)
+    found.detail.extend(f"{line} (a consequence)" for line in died)
+    return found
+
+
+def _diagnose_program(states: dict[int, dict]) -> Diagnosis:
+    if len(states) == 1:
+        return Diagnosis(CAUSES["stuck"], [], [])
+    sequences = {r: {c["seq"]: c for c in s.get("collectives", [])} for r, s in states.items()}
+    # A rank known only from its last heartbeat may have issued more than it published: compare up to there.
+    published = [max(seq, default=0) for r, seq in sequences.items() if "reason" not in states[r]]
+    if published:
+        horizon = min(published)
+        sequences = {r: {n: c for n, c in seq.items() if n <= horizon} for r, seq in sequences.items()}
+    divergence = _first_divergence(sequences) if len(sequences) > 1 else None
+    detail: list[str] = []
+    diverged: list[int] = []
+    extra: list[int] = []
+    absent: list[int] = []
+    if divergence is not None:
+        number, at = divergence
+        detail.append(f"first disagreement at collective #{number}:")
+        detail.extend(f"  rank {rank}: {_describe_record(record)}" for rank, record in sorted(at.items()))
+        extra = _extra_on(sequences, number)
+        absent = [r for r, rec in at.items() if rec is None]
+        diverged = extra or (absent if 0 < len(absent) < len(at) else []) or _minority(at)
+        if any(EXPERT_MODULE.search(rec["module"] or "") for rec in at.values() if rec is not None):
+            return Diagnosis(CAUSES["moe"], diverged or sorted(at), detail)
+    in_experts = {
+        r: last
+        for r, s in states.items()
+        if "reason" in s and (last := (s.get("collectives") or [None])[-1]) and EXPERT_MODULE.search(last["module"])
+    }
+    if in_experts:
+        detail.append("last collective of the rank(s) that stopped inside an MoE block's experts:")
+        detail.extend(f"  rank {r}: {_describe_record(rec)} (#{rec['seq']})" for r, rec in sorted(in_experts.items()))
+        return Diagnosis(CAUSES["moe"], diverged, detail)
+    over_plan = [
+        r
+        for r, s in states.items()
+        if (s.get("micro_steps") and s.get("micro_step", 0) > s["micro_steps"])
+        or (s.get("total_steps") and s.get("step", 0) > s["total_steps"])
+    ]
+    if over_plan:
+        return Diagnosis(CAUSES["uneven_data"], over_plan, detail)
+    phases = {r: s.get("phase") for r, s in states.items()}
+    if divergence is not None and all(p == "generation" for p in phases.values()):
+        return Diagnosis(CAUSES["generation"], diverged, detail)
+    in_rank_only = [r for r, p in phases.items() if p in RANK_ONLY_PHASES]
+    if in_rank_only and any(p in TRAINING_PHASES for p in phases.values()):
+        return Diagnosis(CAUSES["rank_only_path"], sorted(in_rank_only), detail)
+    if divergence is None:
+        return Diagnosis(CAUSES["same_collective"], [], detail)
+    if extra or absent:
+        number, at = divergence
+        issuers = extra or sorted(set(at) - set(absent))
+        op = next((at[r]["op"] for r in issuers if at[r] is not None), "a collective")
+        others = sorted(set(at) - set(issuers))
+        detail.append(
+            f"rank(s) {', '.join(map(str, issuers))} issued {op} #{number}, which rank(s) "
+            f"{', '.join(map(str, others))} did not (skipped it, or the former took a path the others did not)"
+        )
+        return Diagnosis(CAUSES["skipped_collective"], diverged, detail)
+    return Diagnosis(CAUSES["mismatch"], diverged, detail)
+
+
+def _where(rank: int, state: dict, source: str) -> str:
+    micro = f" micro-step {state.get('micro_step')}/{state.get('micro_steps')}" if state.get("micro_steps") else ""
+    parts = [f"rank {rank} ({source}): phase {state.get('phase')}, step {state.get('step')}{micro}"]
+    if state.get("module"):
+        parts.append(f"module {state['module']}")
+    if state.get("where"):
+        parts.append(f"at {state['where']}")
+    if state.get("in_flight"):
+        parts.append(f"waiting in {state['in_flight']}")
+    if state.get("detail"):
+        parts.append(state["detail"])
+    return "; ".join(parts)
+
+
+def build_report(diagnostics_dir: Path, world_size: int, exit_codes: dict[int, int] | None = None) -> str:
+    """The report text from the files under `diagnostics_dir` (and the launcher's exit codes, if known)."""
+    exit_codes = exit_codes or {}
+    states: dict[int, dict] = {}
+    lines = []
+    missing: dict[int, str] = {}
+    for rank in range(world_size):
+        dump = read_json(diagnostics_dir / f"rank-{rank}.json")
+        heartbeat = read_json(diagnostics_dir / "live" / f"rank-{rank}.json")
+        if dump is not None:
+            states[rank] = dump
+            lines.append(_where(rank, dump, dump.get("reason", "dump")))
+            continue
+        code = exit_codes.get(rank)
+        alive = _alive(heartbeat)
+        if heartbeat is not None:
+            states[rank] = heartbeat
+            age = time.time() - heartbeat["updated"]
+            how = (
+                _exit_description(code)
+                if code is not None
+                else (
+                    "is gone (its process no longer exists)" if alive is False else f"stopped reporting {age:.0f}s ago"
+                )
+            )
+            lines.append(_where(rank, heartbeat, f"last heartbeat {age:.0f}s ago") + f"; {how}")
+            if (code is not None and code != 0 and code != -signal.SIGTERM) or alive is False:
+                missing[rank] = how
+        else:
+            how = _exit_description(code) if code is not None else "never reported"
+            lines.append(f"rank {rank}: no heartbeat; {how}")
+            if code is None or code not in (0, -signal.SIGTERM):
+                missing[rank] = how
+    diagnosis = diagnose(states, missing)
+    stalled = any(s.get("reason") == "stall" for s in states.values())
+    kind = "HANG" if stalled or diagnosis.cause.key in ("killed", "same_collective") else "FAILURE"
+    who = f"rank(s) {', '.join(map(str, diagnosis.diverged))}" if diagnosis.diverged else "no single rank"
+    if not diagnosis.diverged and diagnosis.cause.key == "moe":
+        who = "every rank, each after its own tokens' choice of experts"
+    verdict = "died" if diagnosis.cause.key == "killed" else "diverged"
+    text = [
+        f"tuneforge diagnosis: {kind} ({diagnosis.cause.key})",
+        "where each rank is:",
+        *[f"  {line}" for line in lines],
+        *diagnosis.detail,
+        f"{verdict}: {who}",
+        f"likely cause: {diagnosis.cause.title}",
+        f"fix: {diagnosis.cause.fix}",
+        f"stacks and collectives of every rank: {diagnostics_dir}/stacks-rank-*.txt, {diagnostics_dir}/rank-*.json",
+    ]
+    return "\n".join(text)
+
+
+def collect_and_report(diagnostics_dir: Path, rank: int, world_size: int, grace_s: float) -> str | None:
+    """After this rank dumped: wait (bounded) for the other ranks' dumps; the lowest rank that dumped writes
+    and returns the report, the others wait for it to exist and return None."""
+    deadline = time.monotonic() + grace_s
+    dumped: list[int] = []
+    while time.monotonic() < deadline:
+        dumped = [r for r in range(world_size) if (diagnostics_dir / f"rank-{r}.json").exists()]
+        if len(dumped) == world_size:
+            break
+        time.sleep(0.2)
+    if world_size == 1 or rank == min(dumped, default=rank):
+        text = build_report(diagnostics_dir, world_size)
+        (diagnostics_dir / REPORT).write_text(text + "\n")
+        return text
+    while time.monotonic() < deadline + grace_s and not (diagnostics_dir / REPORT).exists():
+        time.sleep(0.2)
+    return f"tuneforge watchdog: rank {rank} stopped; the report is in {diagnostics_dir / REPORT}"

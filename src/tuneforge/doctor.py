@@ -1,0 +1,246 @@
+"""`tuneforge doctor`: refuse known-bad set-ups before any accelerator time is spent.
+
+Each check looks at the config, the model's structure (built on the meta device: no weights are read), the
+tokenizer and the environment, and answers pass, warn or fail with the fix. `tuneforge train` runs the same
+checks at start and stops on a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from tuneforge.config.schema import Config
+from tuneforge.data.conversation import Conversation, Turn
+from tuneforge.data.templates import TOKENIZER, get_template
+from tuneforge.model.moe import find_moe_blocks
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def model_skeleton(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> nn.Module | None:
+    """The model's modules with meta tensors (shapes only), or None when its config cannot be read."""
+    from tuneforge.model.build import _fresh_config
+
+    try:
+        if cfg.model.architecture is not None:
+            config = _fresh_config(cfg.model, tokenizer)
+        else:
+            config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
+def _sharded(cfg: Config, engine: str) -> bool:
+    return engine == "fsdp" or (engine == "deepspeed" and cfg.parallel.zero_stage == 3)
+
+
+def check_moe_sharding(cfg: Config, engine: str, skeleton: nn.Module | None) -> Check:
+    name = "MoE under sharding"
+    blocks = find_moe_blocks(skeleton) if skeleton is not None else []
+    if not blocks:
+        return Check(name, PASS, "no MoE blocks" if skeleton is not None else "model structure not readable")
+    if not _sharded(cfg, engine):
+        return Check(name, PASS, f"{len(blocks)} MoE blocks; parameters are not sharded under {engine}")
+    if not cfg.parallel.moe_safety:
+        return Check(
+            name,
+            FAIL,
+            f"{len(blocks)} MoE blocks under {engine} with parallel.moe_safety=false: ranks whose tokens pick "
+            "different experts issue different collectives and hang",
+            "set parallel.moe_safety=true",
+        )
+    how = "ZeRO-3 leaf modules" if engine == "deepspeed" else "inside their decoder layer's FSDP unit"
+    return Check(name, PASS, f"{len(blocks)} MoE blocks ({blocks[0].layout} experts) gathered whole as {how}")
+
+
+def check_qlora_storage(cfg: Config, engine: str) -> Check:
+    name = "QLoRA storage dtype"
+    quantization = cfg.model.quantization
+    if quantization is None or quantization.bits != 4:
+        return Check(name, PASS, "no 4-bit weights")
+    storage = quantization.storage_dtype
+    if _sharded(cfg, engine) and storage not in ("auto", quantization.compute_dtype):
+        return Check(
+            name,
+            FAIL,
+            f"4-bit weights stored as {storage} under {engine}, compute {quantization.compute_dtype}: "
+            "ZeRO-3 and FSDP cannot shard them consistently",
+            "set model.quantization.storage_dtype=auto",
+        )
+    return Check(name, PASS, f"storage {storage}, compute {quantization.compute_dtype}")
+
+
+def check_remote_code(cfg: Config) -> Check:
+    name = "remote code"
+    if not cfg.model.trust_remote_code or cfg.model.path is None:
+        return Check(name, PASS, "not requested")
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=False)
+    except (OSError, ValueError):
+        return Check(name, PASS, "the architecture exists only as remote code")
+    return Check(
+        name,
+        WARN,
+        f"trust_remote_code is set but transformers implements {config.model_type} natively; the native code is "
+        "used (DeepSeek's remote MoE skips idle experts, the pattern behind the ZeRO-3 hang)",
+        "drop model.trust_remote_code",
+    )
+
+
+def check_expert_adapters(cfg: Config, skeleton: nn.Module | None) -> Check:
+    name = "LoRA on experts with offload"
+    lora = cfg.model.lora
+    if lora is None or not lora.experts or skeleton is None:
+        return Check(name, PASS, "routed experts have no adapters" if lora is not None else "no LoRA")
+    blocks = find_moe_blocks(skeleton)
+    adapter_values = 0
+    for block in blocks:
+        for param in getattr(block.module, block.experts_name).parameters():
+            if param.ndim == 3:  # stacked: experts x out x in
+                adapter_values += param.shape[0] * lora.r * (param.shape[1] + param.shape[2])
+            elif param.ndim == 2:
+                adapter_values += lora.r * (param.shape[0] + param.shape[1])
+    megabytes = adapter_values * 4 / 2**20
+    detail = f"adapters on {sum(b.num_experts for b in blocks)} routed experts: {adapter_values / 1e6:.1f}M values"
+    if cfg.parallel.cpu_offload == "all":
+        return Check(
+            name,
+            WARN,
+            f"{detail}, offloaded to CPU: about {2 * megabytes:.0f} MB crosses PCIe per step plus their optimizer "
+            "state on the CPU (the slowness of the original job)",
+            "set model.lora.experts=false, or parallel.cpu_offload=optimizer",
+        )
+    return Check(name, PASS, detail)
+
+
+def check_dtype(cfg: Config, skeleton: nn.Module | None) -> Check:
+    name = "weight dtype"
+    trained = str(getattr(getattr(skeleton, "config", None), "dtype", "") or "").removeprefix("torch.")
+    if cfg.model.dtype == "float16" and trained == "bfloat16":
+        return Check(
+            name,
+            WARN,
+            "weights in float16 for a model whose config says bfloat16: activations can overflow float16's range",
+            "set model.dtype=bfloat16 (or float32)",
+        )
+    return Check(name, PASS, f"{cfg.model.dtype}" + (f" (model trained in {trained})" if trained else ""))
+
+
+def check_samples(cfg: Config, world_size: int, num_samples: int | None) -> Check:
+    name = "samples per step"
+    if num_samples is None:
+        return Check(name, PASS, "data not read")
+    per_step = world_size * cfg.train.micro_batch_size
+    if num_samples < per_step:
+        return Check(
+            name,
+            WARN,
+            f"{num_samples} training samples for {world_size} ranks x micro-batch {cfg.train.micro_batch_size}: "
+            "samples repeat within a step so that every rank has a batch",
+            "add data, or lower train.micro_batch_size or the number of processes",
+        )
+    return Check(name, PASS, f"{num_samples} samples, {per_step} per global micro-batch")
+
+
+def check_packing(cfg: Config) -> Check:
+    name = "packing isolation"
+    if not cfg.data.packing:
+        return Check(name, PASS, "packing off")
+    implementation = cfg.model.attn_implementation
+    if "flash" in implementation and not torch.cuda.is_available():
+        return Check(
+            name,
+            FAIL,
+            "packing relies on flash-attention's varlen kernels here, which need a GPU",
+            "set model.attn_implementation=sdpa",
+        )
+    how = "varlen kernels from position ids" if "flash" in implementation else "a block-diagonal causal mask"
+    return Check(name, PASS, f"{implementation}: samples isolated by {how}")
+
+
+def check_template(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Check:
+    name = "chat template"
+    spec = cfg.data.template
+    own = getattr(tokenizer, "chat_template", None)
+    if spec == TOKENIZER or not own:
+        return Check(name, PASS, "the tokenizer's own" if spec == TOKENIZER else "the model has no chat template")
+    probe = Conversation((Turn("Hi", "Hello!", system="S"), Turn("Bye", "See you.")), origin="<doctor>")
+    template = get_template(spec)
+    ours = template.render(probe, tokenizer, None)
+    try:
+        theirs = tokenizer.apply_chat_template(probe.messages(), tokenize=False)
+    except Exception as exc:  # a template that cannot render a plain conversation says nothing about ours
+        return Check(name, PASS, f"the model's own template does not render ({type(exc).__name__})")
+    if ours == theirs:
+        return Check(name, PASS, f"{spec if isinstance(spec, str) else 'inline'} renders as the model's own")
+    return Check(
+        name,
+        WARN,
+        f"{spec if isinstance(spec, str) else 'the inline template'} renders a conversation differently from the "
+        f"model's own chat template: {ours[:60]!r}... vs {theirs[:60]!r}...; the model was not trained on that format",
+        "set data.template=tokenizer (the model's own format), unless the format change is intended",
+    )
+
+
+def check_environment(environ: dict[str, str] | None = None) -> Check:
+    name = "environment"
+    environ = dict(os.environ) if environ is None else environ
+    problems = []
+    infiniband = Path("/sys/class/infiniband")
+    has_ib = infiniband.is_dir() and any(infiniband.iterdir())
+    ib_vars = sorted(k for k in environ if k.startswith("NCCL_IB_") and k != "NCCL_IB_DISABLE")
+    if ib_vars and not has_ib and environ.get("NCCL_IB_DISABLE") != "1":
+        problems.append(f"{', '.join(ib_vars)} set but this machine has no InfiniBand device")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible and visible not in ("-1", "") and torch.cuda.device_count() == 0:
+        problems.append(f"CUDA_VISIBLE_DEVICES={visible} names GPUs, but no CUDA device is visible")
+    if problems:
+        return Check(name, WARN, "; ".join(problems), "unset the variables that name hardware this machine lacks")
+    return Check(name, PASS, "no variable names absent hardware")
+
+
+def run_checks(
+    cfg: Config,
+    engine: str,
+    world_size: int,
+    tokenizer: PreTrainedTokenizerBase,
+    num_samples: int | None = None,
+) -> list[Check]:
+    skeleton = model_skeleton(cfg, tokenizer)
+    return [
+        check_moe_sharding(cfg, engine, skeleton),
+        check_qlora_storage(cfg, engine),
+        check_remote_code(cfg),
+        check_expert_adapters(cfg, skeleton),
+        check_dtype(cfg, skeleton),
+        check_samples(cfg, world_size, num_samples),
+        check_packing(cfg),
+        check_template(cfg, tokenizer),
+        check_environment(),
+    ]
+
+
+def format_checks(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = ["doctor:"]
+    for check in checks:
+        lines.append(f"  {check.status.upper():4}  {check.name:<{width}}  {check.detail}")
+        if check.fix and check.status != PASS:
+            lines.append(f"        {'':<{width}}  fix: {check.fix}")
+    return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""Pre-flight checks: each known-bad set-up gets its verdict and fix, and train refuses a failing one."""
+
+from __future__ import annotations
+
+from tuneforge.config.schema import Config
+from tuneforge.data.byte_tokenizer import build_byte_tokenizer
+from tuneforge.data.jinja_template import to_jinja
+from tuneforge.data.templates import get_template
+from tuneforge.doctor import FAIL, PASS, WARN, check_environment, check_template, run_checks
+
+from conftest import write_jsonl
+
+DEEPSEEK = {
+    "architecture": "deepseek_v2",
+    "tokenizer": "bytes",
+    "size": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+    },
+}
+
+
+def config(**sections) -> Config:
+    return Config.model_validate({"model": DEEPSEEK, "data": {"train_files": ["x.jsonl"]}, **sections})
+
+
+def verdicts(cfg: Config, tokenizer, engine: str = "deepspeed", world_size: int = 2, samples: int = 100):
+    return {c.name: c for c in run_checks(cfg, engine, world_size, tokenizer, samples)}
+
+
+def test_a_healthy_moe_job_passes_everything(tokenizer):
+    checks = verdicts(config(), tokenizer)
+    assert {c.status for c in checks.values()} == {PASS}, checks
+    assert "1 MoE blocks (stacked experts) gathered whole as ZeRO-3 leaf modules" in checks["MoE under sharding"].detail
+
+
+def test_moe_without_safety_under_zero3_fails(tokenizer):
+    check = verdicts(config(parallel={"moe_safety": False}), tokenizer)["MoE under sharding"]
+    assert check.status == FAIL and check.fix == "set parallel.moe_safety=true"
+    assert verdicts(config(parallel={"moe_safety": False}), tokenizer, "ddp")["MoE under sharding"].status == PASS
+
+
+def test_qlora_storage_that_zero3_cannot_shard_fails(tokenizer):
+    model = {**DEEPSEEK, "lora": {}, "quantization": {"compute_dtype": "bfloat16", "storage_dtype": "uint8"}}
+    cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
+    assert verdicts(cfg, tokenizer)["QLoRA storage dtype"].status == FAIL
+    assert verdicts(cfg, tokenizer, "ddp")["QLoRA storage dtype"].status == PASS
+
+
+def test_expert_adapters_with_parameter_offload_warn_with_a_cost(tokenizer):
+    model = {**DEEPSEEK, "lora": {"r": 8, "experts": True}}
+    cfg = Config.model_validate(
+        {"model": model, "data": {"train_files": ["x.jsonl"]}, "parallel": {"cpu_offload": "all"}}
+    )
+    check = verdicts(cfg, tokenizer)["LoRA on experts with offload"]
+    # 4 experts x r=8 x (gate_up 32x32 + down 32x16): 4*8*(32+32) + 4*8*(32+16) = 3584 values.
+    assert check.status == WARN and "adapters on 4 routed experts: 0.0M values" in check.detail
+    assert "crosses PCIe" in check.detail
+
+
+def test_too_few_samples_for_the_ranks_warn(tokenizer):
+    check = verdicts(config(train={"micro_batch_size": 4}), tokenizer, world_size=8, samples=20)["samples per step"]
+    assert check.status == WARN and "20 training samples for 8 ranks x micro-batch 4" in check.detail
+
+
+def test_packing_on_flash_attention_without_a_gpu_fails(tokenizer):
+    cfg = Config.model_validate(
+        {
+            "model": {**DEEPSEEK, "attn_implementation": "flash_attention_2"},
+            "data": {"train_files": ["x.jsonl"], "packing": True},
+        }
+    )
+    assert verdicts(cfg, tokenizer)["packing isolation"].status == FAIL
+
+
+def test_a_template_the_model_was_not_trained_on_warns(tokenizer):
+    """The original job: a chat model whose own template is not the deepseek_coder format it was given."""
+    local = build_byte_tokenizer()  # the session's tokenizer stays without a chat template
+    local.chat_template = to_jinja(get_template("deepseek_v2"), None)
+    mismatch = check_template(config(data={"train_files": ["x.jsonl"], "template": "deepseek_coder"}), local)
+    assert mismatch.status == WARN and "data.template=tokenizer" in mismatch.fix
+    same = check_template(config(data={"train_files": ["x.jsonl"], "template": "deepseek_v2"}), local)
+    assert same.status == PASS
+
+
+def test_variables_naming_absent_hardware_warn():
+    check = check_environment({"NCCL_IB_GID_INDEX": "3", "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert check.status == WARN
+    assert "NCCL_IB_GID_INDEX set but this machine has no InfiniBand device" in check.detail
+    assert "CUDA_VISIBLE_DEVICES=0,1 names GPUs" in check.detail
+    assert check_environment({}).status == PASS
+
+
+def test_train_refuses_a_failing_setup_before_loading_the_model(tmp_path, capsys):
+    from tuneforge.cli import main
+
+    write_jsonl(
+        tmp_path / "x.jsonl", [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+    )
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        "model: {architecture: llama, tokenizer: bytes, attn_implementation: flash_attention_2,"
+        " size: {hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 4, intermediate_size: 64}}\n"
+        "data: {train_files: [x.jsonl], packing: true, cache_dir: null}\n"
+    )
+    assert main(["train", str(path), "--work-dir", str(tmp_path / "w")]) == 2
+    captured = capsys.readouterr()
+    assert "FAIL  packing isolation" in captured.out
+    assert "error: doctor: packing isolation: set model.attn_implementation=sdpa" in captured.err
+    assert not (tmp_path / "w" / "metrics.jsonl").exists()

@@ -1,0 +1,124 @@
+"""Hang injection through the real launcher (2 gloo ranks, a 4 s stall limit): every stall or divergence ends
+in a report that names the rank, the collective or module, and the cause, and in a non-zero exit within the
+limit plus a bounded slack. (The legacy-MoE case lives in test_moe_legacy.py.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from test_distributed import TUNEFORGE, free_port
+
+from conftest import chat, write_jsonl
+
+CONFIG = """\
+model:
+  architecture: llama
+  size: {{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4}}
+  tokenizer: bytes
+data: {{train_files: [train.jsonl], cache_dir: null}}
+train: {{lr: 1.0e-3, micro_batch_size: 2, gradient_accumulation: 2, max_steps: 4, precision: fp32}}
+checkpoint: {{every_steps: 0, save_final: false}}
+parallel: {{engine: {engine}}}
+watchdog: {{startup_timeout_s: 120, stall_timeout_s: 4, report_grace_s: 3}}
+log: {{progress: lines}}
+"""
+SLACK_S = 45
+"""Start-up of two workers (about 10 s here), the 4 s limit, the 3 s grace for dumps, and the launcher's exit."""
+
+
+def run_with_fault(tmp_path, fault: str, engine: str = "ddp") -> tuple[subprocess.CompletedProcess, str, float]:
+    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
+    (tmp_path / "cfg.yaml").write_text(CONFIG.format(engine=engine))
+    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / "run")]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    started = time.monotonic()
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, env={**os.environ, "TUNEFORGE_INJECT_FAULT": fault}
+    )
+    seconds = time.monotonic() - started
+    report_file = tmp_path / "run" / "diagnostics" / "report.txt"
+    report = report_file.read_text() if report_file.exists() else ""
+    return result, report, seconds
+
+
+def assert_failed_with(result, report: str, seconds: float, cause: str) -> None:
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "step 4/4" not in result.stdout
+    assert report.startswith("tuneforge diagnosis:"), result.stderr[-3000:]
+    assert f"({cause})" in report.splitlines()[0], report
+    assert "tuneforge diagnosis:" in result.stderr  # printed, not only written
+    assert seconds < SLACK_S, seconds
+
+
+def test_a_rank_that_skips_an_all_reduce(tmp_path):
+    result, report, seconds = run_with_fault(tmp_path, "skip_all_reduce:1:2")
+    assert_failed_with(result, report, seconds, "skipped_collective")
+    assert "rank 1: nothing (never issued it)" in report
+    assert "rank(s) 0 issued all_reduce" in report and "diverged: rank(s) 1" in report
+
+
+def test_a_collective_issued_on_rank_0_only(tmp_path):
+    result, report, seconds = run_with_fault(tmp_path, "rank_only_collective:0:2")
+    assert_failed_with(result, report, seconds, "rank_only_path")
+    assert "rank 0 (" in report and "phase eval" in report
+    assert "diverged: rank(s) 0" in report
+    assert "likely cause: a code path taken by some ranks only" in report
+
+
+def test_one_rank_with_one_more_batch(tmp_path):
+    result, report, seconds = run_with_fault(tmp_path, "extra_batch:1:3", engine="fsdp")
+    assert_failed_with(result, report, seconds, "uneven_data")
+    assert "micro-step 3/2" in report and "diverged: rank(s) 1" in report
+    assert "all_gather" in report
+
+
+def test_a_rank_killed_with_sigkill(tmp_path):
+    result, report, seconds = run_with_fault(tmp_path, "kill:1:2")
+    assert_failed_with(result, report, seconds, "killed")
+    assert "rank 1 killed by SIGKILL" in report and "died: rank(s) 1" in report
+    assert "OOM killer" in report
+
+
+def test_a_straggler_in_data_loading_is_slow_not_hung(tmp_path):
+    result, report, _ = run_with_fault(tmp_path, "sleep_data:1:2:3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 4/4" in result.stdout and report == ""
+    slow = [line for line in result.stderr.splitlines() if "slow, not hung" in line]
+    assert slow, result.stderr[-3000:]
+    assert "for rank 1, which is busy in phase 'data' at step 2" in slow[0] and "straggler: rank 1" in slow[0]
+
+
+def test_no_fault_no_report(tmp_path):
+    """The same job without a fault finishes cleanly: the watchdog's limits do not fire on a healthy run."""
+    result, report, _ = run_with_fault(tmp_path, "")
+    assert result.returncode == 0 and report == "" and "slow, not hung" not in result.stderr
+
+
+def test_diagnose_prints_the_report_again_and_dumps_a_live_job(tmp_path):
+    (tmp_path / "failed").mkdir()
+    (tmp_path / "live").mkdir()
+    _, report, _ = run_with_fault(tmp_path / "failed", "kill:1:2")
+    again = subprocess.run([TUNEFORGE, "diagnose", str(tmp_path / "failed" / "run")], capture_output=True, text=True)
+    assert again.returncode == 0 and again.stdout.strip() == report.strip()
+
+    # A live job: rank 1 sleeps 8 s loading data at step 2 (under the 20 s limit); rank 0 waits in an all-reduce.
+    live = tmp_path / "live"
+    write_jsonl(live / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
+    (live / "cfg.yaml").write_text(CONFIG.format(engine="ddp").replace("stall_timeout_s: 4", "stall_timeout_s: 20"))
+    command = [TUNEFORGE, "train", str(live / "cfg.yaml"), "--work-dir", str(live / "run")]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": "sleep_data:1:2:8"}
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    heartbeat = live / "run" / "diagnostics" / "live" / "rank-1.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and '"step": 2' not in (heartbeat.read_text() if heartbeat.exists() else ""):
+        time.sleep(0.2)
+    time.sleep(1)
+    dump = subprocess.run([TUNEFORGE, "diagnose", "--live", str(live / "run")], capture_output=True, text=True)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err[-3000:]  # the live dump did not stop the job
+    assert "(2/2 ranks answered)" in dump.stdout, dump.stdout + dump.stderr
+    assert "rank 1: phase data, step 2" in dump.stdout and "in _inject_data_fault" in dump.stdout
+    assert "rank 0: phase forward/backward, step 2" in dump.stdout and "waiting in #" in dump.stdout
