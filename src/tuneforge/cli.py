@@ -12,6 +12,7 @@ TRAIN_EXAMPLES = """examples:
   tuneforge train configs/demo.yaml
   tuneforge train configs/demo.yaml train.lr=1e-4 data.max_length=512
   tuneforge train my.yaml train.max_steps=10 --work-dir /tmp/try
+  tuneforge train my.yaml --resume auto                             (after a crash: newest step checkpoint)
   tuneforge train my.yaml --nproc-per-node 8                       (8 processes on this node)
   tuneforge train my.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1
   torchrun --nproc-per-node 8 -m tuneforge train my.yaml           (also works, as does srun)
@@ -56,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", type=Path, help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
     train.add_argument("--work-dir", type=Path, help="output directory (default: work_dirs/<config name>)")
+    train.add_argument(
+        "--resume",
+        metavar="auto|PATH",
+        help="continue from a step checkpoint: `auto` takes the newest complete one in the work dir",
+    )
     launch = train.add_argument_group("launching several processes (PyTorch's elastic launcher)")
     launch.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
     launch.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
@@ -152,6 +158,8 @@ def _train(args: argparse.Namespace) -> int:
         from tuneforge.launch import launch_workers
 
         worker_argv = ["train", str(args.config), *args.overrides, "--work-dir", str(work_dir)]
+        if args.resume:
+            worker_argv += ["--resume", args.resume]
         return launch_workers(
             worker_argv,
             args.nproc_per_node,
@@ -161,7 +169,7 @@ def _train(args: argparse.Namespace) -> int:
             args.master_port,
             work_dir,
         )
-    run_training(config, work_dir)
+    run_training(config, work_dir, args.resume)
     return 0
 
 

@@ -179,7 +179,8 @@ class BatchPlanner:
         rows = len(self.packed_rows) if self.packed_rows is not None else len(self.data)
         return math.ceil(rows / self.global_micro_batch)
 
-    def epoch(self, epoch: int) -> Iterator[MicroBatch]:
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[MicroBatch]:
+        """This rank's micro-batches of `epoch`, from the `start`-th on."""
         packed = self.strategy == "packed"
-        for rows in self.plan(epoch):
+        for rows in self.plan(epoch)[start:]:
             yield collate(self.data, rows, self.pad_id, packed)

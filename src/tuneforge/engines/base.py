@@ -7,6 +7,7 @@ it has. That is what keeps every rank issuing the same collectives.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -45,6 +46,15 @@ class Engine(Protocol):
     def step(self, lr: float, max_grad_norm: float) -> float:
         """Clip the gradients to `max_grad_norm` (0: no clipping), apply them at learning rate `lr`, clear them.
         Returns the global gradient norm before clipping."""
+        ...
+
+    def save_state(self, directory: Path) -> None:
+        """Model and optimizer state for an exact resume, into `directory` (shared by all ranks). A collective
+        for sharded engines: every rank calls it."""
+        ...
+
+    def load_state(self, directory: Path) -> None:
+        """Restore what `save_state` wrote (same world size). Every rank calls it."""
         ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

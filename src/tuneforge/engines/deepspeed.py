@@ -118,6 +118,17 @@ class DeepSpeedEngine:
         norm = self._engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def save_state(self, directory: Path) -> None:
+        # DeepSpeed's own format: ZeRO partitions and optimizer shards, one file set per rank.
+        self._engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
+
+    def load_state(self, directory: Path) -> None:
+        path, _ = self._engine.load_checkpoint(
+            str(directory), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise ValueError(f"resume: DeepSpeed found no checkpoint in {directory}")
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if not self.sharded:
             return None

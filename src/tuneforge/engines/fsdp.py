@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -91,6 +98,18 @@ class FSDPEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def save_state(self, directory: Path) -> None:
+        model_state, optimizer_state = get_state_dict(self._model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / "fsdp"))
+
+    def load_state(self, directory: Path) -> None:
+        model_state, optimizer_state = get_state_dict(self._model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(directory / "fsdp"))
+        set_state_dict(
+            self._model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: every rank must call it. Rank 0 gets the whole model on CPU, the others None."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,23 @@ class SingleEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return None
+
+    def save_state(self, directory: Path) -> None:
+        # Frozen weights (a LoRA base) are rebuilt identically at start; only what trains is saved.
+        if self.info.is_main:
+            trainable = {n: p.detach().cpu() for n, p in self.unwrapped.named_parameters() if p.requires_grad}
+            torch.save({"model": trainable, "optimizer": self.optimizer.state_dict()}, directory / "engine.pt")
+
+    def load_state(self, directory: Path) -> None:
+        state = torch.load(directory / "engine.pt", map_location=self.info.device, weights_only=True)
+        parameters = dict(self.unwrapped.named_parameters())
+        missing = sorted(set(state["model"]) - set(parameters))
+        if missing:
+            raise ValueError(f"resume: the checkpoint has parameters this model lacks: {missing[:3]}")
+        with torch.no_grad():
+            for name, tensor in state["model"].items():
+                parameters[name].copy_(tensor)
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def step(self, lr: float, max_grad_norm: float) -> float:
         norm = self.clip_grad_norm(max_grad_norm)

@@ -17,29 +17,36 @@ CHAT_META = "tuneforge.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def save_checkpoint(
+def write_model_files(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     directory: Path,
     meta: dict[str, Any],
     config_file: Path | None = None,
     state_dict: dict | None = None,
-) -> Path:
-    """Write into a temporary sibling, then rename: a crash mid-save never leaves a half checkpoint.
+) -> None:
+    """The Hugging Face part of a checkpoint (weights or adapter, tokenizer, chat meta) into `directory`.
     `state_dict` holds the whole model's weights when the model itself is sharded."""
-    tmp = directory.parent / f".tmp-{directory.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    (tmp / CHAT_META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
+    model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
+    tokenizer.save_pretrained(directory)
+    (directory / CHAT_META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
     if config_file is not None:
-        shutil.copy2(config_file, tmp / "config.tuneforge.yaml")
-    for file in tmp.iterdir():
-        with file.open("rb") as handle:
-            os.fsync(handle.fileno())
+        shutil.copy2(config_file, directory / "config.tuneforge.yaml")
+
+
+def temporary_dir(directory: Path) -> Path:
+    """Where a checkpoint is written before it is committed; never picked up by resume or pruning."""
+    return directory.parent / f".tmp-{directory.name}"
+
+
+def commit_checkpoint(tmp: Path, directory: Path) -> Path:
+    """Flush every file, then rename: a crash at any point leaves either the old checkpoint or the new one."""
+    for file in tmp.rglob("*"):
+        if file.is_file():
+            with file.open("rb") as handle:
+                os.fsync(handle.fileno())
     if directory.exists():
         old = directory.parent / f".old-{directory.name}"
         shutil.rmtree(old, ignore_errors=True)
@@ -49,6 +56,22 @@ def save_checkpoint(
     else:
         tmp.rename(directory)
     return directory
+
+
+def save_checkpoint(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: Path,
+    meta: dict[str, Any],
+    config_file: Path | None = None,
+    state_dict: dict | None = None,
+) -> Path:
+    """A model-only checkpoint from one process, written atomically."""
+    tmp = temporary_dir(directory)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_model_files(model, tokenizer, tmp, meta, config_file, state_dict)
+    return commit_checkpoint(tmp, directory)
 
 
 def step_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:

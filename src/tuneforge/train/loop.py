@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -24,11 +25,12 @@ from tuneforge.distributed import barrier
 from tuneforge.engines import Engine
 from tuneforge.generate import generate_replies
 from tuneforge.model.router_balance import RouterBalance
-from tuneforge.train.checkpoint import prune_checkpoints, save_checkpoint
+from tuneforge.train.checkpoint import commit_checkpoint, prune_checkpoints, temporary_dir, write_model_files
 from tuneforge.train.loss import loss_sum
 from tuneforge.train.metrics import MetricsLog
 from tuneforge.train.progress import ProgressReporter
 from tuneforge.train.schedule import LRSchedule, resolve_warmup
+from tuneforge.train.state import TRAINING_STATE, ResumePoint, save_rng, write_state
 from tuneforge.watchdog import StallWatchdog
 
 
@@ -88,12 +90,16 @@ def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
     return math.ceil(num_micro_batches / accumulation)
 
 
-def step_groups(batches: BatchPlanner, accumulation: int) -> Iterator[tuple[int, list[MicroBatch]]]:
-    """(epoch, micro-batches of one optimizer step), cycling over epochs; a step never spans two epochs."""
-    epoch = 0
+def step_groups(
+    batches: BatchPlanner, accumulation: int, start_step: int = 0
+) -> Iterator[tuple[int, list[MicroBatch]]]:
+    """(epoch, micro-batches of one optimizer step), cycling over epochs; a step never spans two epochs.
+    `start_step` steps are skipped without collating anything: the data position of a resumed run."""
+    epoch, steps_into_epoch = divmod(start_step, steps_per_epoch(len(batches), accumulation))
+    skip = steps_into_epoch * accumulation
     while True:
         group: list[MicroBatch] = []
-        for batch in batches.epoch(epoch):
+        for batch in batches.epoch(epoch, start=skip):
             group.append(batch)
             if len(group) == accumulation:
                 yield epoch, group
@@ -101,6 +107,7 @@ def step_groups(batches: BatchPlanner, accumulation: int) -> Iterator[tuple[int,
         if group:
             yield epoch, group
         epoch += 1
+        skip = 0
 
 
 class Trainer:
@@ -155,17 +162,20 @@ class Trainer:
                 "quantization": cfg.model.quantization.model_dump() if cfg.model.quantization else None,
             }
 
-    def run(self) -> list[dict]:
+    def run(self, start: ResumePoint | None = None) -> list[dict]:
         cfg, engine = self.cfg, self.engine
         engine.model.train()
-        metrics_log = MetricsLog(self.work_dir / "metrics.jsonl") if self.is_main else None
+        start_step = start.step if start is not None else 0
+        self.samples_consumed = start.samples_consumed if start is not None else 0
+        metrics_path = self.work_dir / "metrics.jsonl"
+        metrics_log = MetricsLog(metrics_path, append=start_step > 0) if self.is_main else None
         history: list[dict] = []
         started = time.monotonic()
         try:
-            if cfg.eval.sample_at_start and cfg.eval.sample_prompts:
+            if cfg.eval.sample_at_start and cfg.eval.sample_prompts and start_step == 0:
                 self.sample_chats(step=0)
-            groups = step_groups(self.batches, cfg.train.gradient_accumulation)
-            for step in range(1, self.total_steps + 1):
+            groups = step_groups(self.batches, cfg.train.gradient_accumulation, start_step)
+            for step in range(start_step + 1, self.total_steps + 1):
                 self.watchdog.beat("data", training=step > 1, step=step, micro_step=0)
                 step_start = time.monotonic()
                 epoch, micro_batches = next(groups)
@@ -174,6 +184,7 @@ class Trainer:
                 if self.fault is not None and self.fault.due("extra_batch", self.engine.info.rank, step):
                     micro_batches = [*micro_batches, micro_batches[-1]]
                 accumulated = self._forward_backward(step, micro_batches, planned)
+                self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * engine.info.world_size
                 self.watchdog.beat("optimizer")
                 lr = self.schedule(step)
                 grad_norm = engine.step(lr, cfg.train.max_grad_norm)
@@ -199,14 +210,14 @@ class Trainer:
                 if cfg.eval.sample_every_steps and step % cfg.eval.sample_every_steps == 0 and step < self.total_steps:
                     self.sample_chats(step)
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                    self.save(f"step-{step}", step)
+                    self.save(f"step-{step}", step, epoch, with_state=True)
                 if self.fault is not None and self.fault.due("rank_only_collective", self.engine.info.rank, step):
                     self.watchdog.beat("eval")
                     torch.distributed.all_reduce(torch.zeros(1, device=self.engine.info.device))
             if cfg.eval.sample_prompts:
                 self.sample_chats(self.total_steps)
             if cfg.checkpoint.save_final:
-                self.save("final", self.total_steps)
+                self.save("final", self.total_steps, None, with_state=False)
         finally:
             if metrics_log is not None:
                 metrics_log.close()
@@ -269,19 +280,43 @@ class Trainer:
                 self.progress.log(f"[sample @ step {step}] {prompt!r} -> {reply!r}")
                 handle.write(json.dumps({"step": step, "prompt": prompt, "reply": reply}, ensure_ascii=False) + "\n")
 
-    def save(self, name: str, step: int) -> None:
+    def save(self, name: str, step: int, epoch: int | None, with_state: bool) -> None:
+        """All ranks write into a temporary directory (their training state); rank 0 adds the Hugging Face
+        files and renames it into place, so a crash at any point never leaves a checkpoint resume would take."""
+        info = self.engine.info
         self.watchdog.beat("save")
-        state = self.engine.full_state_dict()  # a collective for sharded engines: every rank takes part
+        weights = self.engine.full_state_dict()  # a collective for sharded engines: every rank takes part
+        final = self.checkpoints_dir / name
+        tmp = temporary_dir(final)
         if self.is_main:
-            path = save_checkpoint(
-                self.engine.unwrapped,
-                self.tokenizer,
-                self.checkpoints_dir / name,
-                {**self.chat_meta, "step": step},
-                self.work_dir / "config.yaml",
-                state_dict=state,
-            )
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / TRAINING_STATE).mkdir(parents=True)
+        barrier(info)
+        if with_state:
+            self.engine.save_state(tmp / TRAINING_STATE)
+            save_rng(tmp / TRAINING_STATE, info.rank)
+        if self.fault is not None and self.fault.due("kill_in_save", info.rank, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        barrier(info)
+        if self.is_main:
+            meta = {**self.chat_meta, "step": step}
+            write_model_files(self.engine.unwrapped, self.tokenizer, tmp, meta, self.work_dir / "config.yaml", weights)
+            if with_state:
+                train = self.cfg.train
+                point = ResumePoint(
+                    step,
+                    epoch or 0,
+                    self.samples_consumed,
+                    info.world_size,
+                    train.micro_batch_size,
+                    train.gradient_accumulation,
+                    self.engine.name,
+                )
+                write_state(tmp / TRAINING_STATE, point)
+            else:
+                shutil.rmtree(tmp / TRAINING_STATE)
+            commit_checkpoint(tmp, final)
             prune_checkpoints(self.checkpoints_dir, self.cfg.checkpoint.keep_last)
-            self.progress.log(f"saved checkpoint {path}")
-        barrier(self.engine.info)
+            self.progress.log(f"saved checkpoint {final}")
+        barrier(info)
         self.watchdog.beat("save")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import warnings
@@ -27,6 +28,7 @@ from tuneforge.model.router_balance import attach_router_balance
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.loop import Trainer
 from tuneforge.train.optim import build_optimizer
+from tuneforge.train.state import TRAINING_STATE, ResumePoint, check_compatible, find_resume, load_rng, read_state
 from tuneforge.watchdog import StallWatchdog, exception_site
 
 
@@ -41,8 +43,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_training(cfg: Config, work_dir: Path) -> dict:
-    """Train as configured; returns a summary (final loss, steps, accuracy if configured)."""
+def run_training(cfg: Config, work_dir: Path, resume: str | None = None) -> dict:
+    """Train as configured; returns a summary (final loss, steps, accuracy if configured). `resume`: `auto`
+    (the newest complete step checkpoint of the work dir, if any) or a checkpoint path."""
     quiet_known_noise()
     info = init_distributed()
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +80,7 @@ def run_training(cfg: Config, work_dir: Path) -> dict:
     )
     watchdog.start()
     try:
-        return _train(cfg, work_dir, watchdog, info, engine_name, say)
+        return _train(cfg, work_dir, watchdog, info, engine_name, say, resume)
     except (torch.distributed.DistError, RuntimeError) as exc:
         if info.distributed and dog.enabled:
             # A collective that failed (gloo/NCCL errors on mismatched calls) or a rank that failed on its own (out
@@ -91,8 +94,40 @@ def run_training(cfg: Config, work_dir: Path) -> dict:
             torch.distributed.destroy_process_group()
 
 
+def resume_from(checkpoint: Path, engine, trainer: Trainer, cfg: Config, info: DistInfo, work_dir: Path) -> ResumePoint:
+    """Model, optimizer, RNG and data position of `checkpoint`; logs cut back to its step."""
+    point = read_state(checkpoint)
+    train = cfg.train
+    check_compatible(
+        point, checkpoint, info.world_size, train.micro_batch_size, train.gradient_accumulation, engine.name
+    )
+    if point.step >= trainer.total_steps:
+        raise UserError(f"--resume {checkpoint}: step {point.step} is already the last of {trainer.total_steps}")
+    engine.load_state(checkpoint / TRAINING_STATE)
+    if info.is_main:
+        for log in ("metrics.jsonl", "samples.jsonl"):
+            truncate_log(work_dir / log, point.step)
+    barrier(info)
+    load_rng(checkpoint / TRAINING_STATE, info.rank)  # last: building the model and engine drew random numbers
+    return point
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the records of steps up to `step`: the resumed run writes the rest again."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 def _train(
-    cfg: Config, work_dir: Path, watchdog: StallWatchdog, info: DistInfo, engine_name: str, say: Callable[[str], None]
+    cfg: Config,
+    work_dir: Path,
+    watchdog: StallWatchdog,
+    info: DistInfo,
+    engine_name: str,
+    say: Callable[[str], None],
+    resume: str | None = None,
 ) -> dict:
     seed_everything(cfg.train.seed)
     template = get_template(cfg.data.template)
@@ -145,7 +180,17 @@ def _train(
         f"= {global_batch} per step; lr {cfg.train.lr:g} ({cfg.train.schedule}, "
         f"{trainer.schedule.warmup_steps} warmup steps)"
     )
-    history = trainer.run()
+    start = None
+    resume_dir = find_resume(work_dir, resume)
+    if resume == "auto" and resume_dir is None:
+        say("resume: no complete step checkpoint in this work dir yet; starting from the beginning")
+    if resume_dir is not None:
+        start = resume_from(resume_dir, engine, trainer, cfg, info, work_dir)
+        say(
+            f"resumed from {resume_dir}: step {start.step} of {trainer.total_steps}, epoch {start.epoch}, "
+            f"{start.samples_consumed} samples consumed"
+        )
+    history = trainer.run(start)
     summary: dict = {"steps": len(history), "final_loss": history[-1]["loss"] if history else None}
 
     match_cfg = cfg.eval.exact_match

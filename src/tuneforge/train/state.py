@@ -1,0 +1,94 @@
+"""What a step checkpoint holds beyond the model, so a run resumes exactly where it stopped.
+
+`training_state/` inside `checkpoints/step-N/`: `state.json` (step, epoch, samples consumed, the world size
+and batch shape it was written with), each rank's RNG states, and the engine's own state (model and
+optimizer: one file for single/DDP, PyTorch distributed checkpoint shards for FSDP2, DeepSpeed's format for
+ZeRO). The learning-rate schedule is a function of the step, and the data order a function of seed and
+epoch, so neither needs saving.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tuneforge.errors import UserError
+from tuneforge.train.checkpoint import step_checkpoints
+
+TRAINING_STATE = "training_state"
+STATE_FILE = "state.json"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    step: int
+    epoch: int
+    samples_consumed: int
+    world_size: int
+    micro_batch_size: int
+    gradient_accumulation: int
+    engine: str
+
+
+def save_rng(directory: Path, rank: int) -> None:
+    state = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    torch.save(state, directory / f"rng-rank-{rank}.pt")
+
+
+def load_rng(directory: Path, rank: int) -> None:
+    state = torch.load(directory / f"rng-rank-{rank}.pt", weights_only=False)  # our own file: Python objects
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def write_state(directory: Path, point: ResumePoint) -> None:
+    (directory / STATE_FILE).write_text(json.dumps(asdict(point), indent=2))
+
+
+def read_state(checkpoint: Path) -> ResumePoint:
+    path = checkpoint / TRAINING_STATE / STATE_FILE
+    if not path.exists():
+        raise UserError(
+            f"--resume {checkpoint}: no {TRAINING_STATE}/{STATE_FILE}; only checkpoints/step-N directories written "
+            "by tuneforge train can be resumed"
+        )
+    return ResumePoint(**json.loads(path.read_text()))
+
+
+def find_resume(work_dir: Path, requested: str | None) -> Path | None:
+    """`auto`: the newest complete step checkpoint of the work dir (None when there is none); or a path."""
+    if requested is None:
+        return None
+    if requested != "auto":
+        path = Path(requested)
+        read_state(path)
+        return path
+    for _, path in reversed(step_checkpoints(work_dir / "checkpoints")):
+        if (path / TRAINING_STATE / STATE_FILE).exists():
+            return path
+    return None
+
+
+def check_compatible(point: ResumePoint, checkpoint: Path, world_size: int, micro: int, accumulation: int, engine: str):
+    """Sharded states and the data plan are tied to the world size and batch shape they were written with."""
+    expected = (point.world_size, point.micro_batch_size, point.gradient_accumulation, point.engine)
+    if expected != (world_size, micro, accumulation, engine):
+        raise UserError(
+            f"--resume {checkpoint}: written by {point.world_size} process(es) with engine {point.engine}, "
+            f"micro-batch {point.micro_batch_size} and accumulation {point.gradient_accumulation}; this run has "
+            f"{world_size}, {engine}, {micro} and {accumulation}. Resume with the same settings (export the "
+            "checkpoint and start a new run from it to change them)"
+        )
