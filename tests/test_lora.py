@@ -14,7 +14,7 @@ from tuneforge.errors import UserError
 from tuneforge.model.adapters import make_trainable, resolve_lora_targets
 from tuneforge.train.loop import accumulate_gradients
 
-from conftest import REPO, chat, rows_batch, tiny_deepseek_v2, tiny_llama, tokenized, write_jsonl
+from conftest import REPO, chat, rows_batch, tiny_deepseek_v2, tiny_llama, tiny_mixtral, tokenized, write_jsonl
 
 
 def lora_model_config(**lora) -> ModelConfig:
@@ -55,6 +55,18 @@ def test_all_linear_leaves_out_head_routers_and_routed_experts(tokenizer):
     assert any("shared_experts" in name for name in targets.modules)
     assert targets.parameters == [] and targets.skipped_experts == 2  # gate_up_proj and down_proj, stacked
     assert "routed-expert weights left out" in targets.describe()
+
+
+@pytest.mark.parametrize("build", [tiny_deepseek_v2, tiny_mixtral], ids=["deepseek_v2", "mixtral"])
+def test_the_peft_model_has_no_expert_adapters_unless_asked(tokenizer, build):
+    """PEFT retargets `*.down_proj` onto fused experts for transformers-5 MoE models; `experts: false` must hold
+    in the model PEFT builds, not only in the targets we resolve."""
+    model, _ = make_trainable(build(tokenizer), lora_model_config(dropout=0.1), False)
+    adapted = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert adapted and not any(".experts." in name for name in adapted), adapted
+    assert model.base_model.model.config.model_type == build(tokenizer).config.model_type  # restored
+    model, _ = make_trainable(build(tokenizer), lora_model_config(dropout=0.0, experts=True), False)
+    assert any(".experts." in name for name, p in model.named_parameters() if p.requires_grad)
 
 
 def test_explicit_names_and_regex_targets(tokenizer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", type=Path, help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
     train.add_argument("--work-dir", type=Path, help="output directory (default: work_dirs/<config name>)")
+    train.add_argument("--deepspeed", metavar="PRESET", help="with an xtuner .py config: its DeepSpeed preset")
     train.add_argument(
         "--resume",
         metavar="auto|PATH",
@@ -116,6 +118,20 @@ def _parser() -> argparse.ArgumentParser:
     preview.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     preview.add_argument("-n", type=int, default=3, help="how many samples (default 3)")
 
+    xtuner = commands.add_parser(
+        "import-xtuner",
+        help="convert an xtuner 0.1.x Python config to a tuneforge YAML config (read, never executed)",
+        epilog="examples:\n  tuneforge import-xtuner my_xtuner_cfg.py -o my.yaml --deepspeed deepspeed_zero3_offload\n"
+        "  tuneforge train my_xtuner_cfg.py --deepspeed deepspeed_zero3_offload --nproc-per-node 8  (and train)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    xtuner.add_argument("config", type=Path, help="xtuner config (.py)")
+    xtuner.add_argument("-o", "--out", type=Path, help="write the YAML here (default: print only)")
+    xtuner.add_argument(
+        "--deepspeed", metavar="PRESET", help="xtuner's --deepspeed preset, e.g. deepspeed_zero3_offload"
+    )
+    xtuner.add_argument("--nproc-per-node", type=int, default=1, help="NPROC_PER_NODE of the xtuner launch")
+
     doctor = commands.add_parser(
         "doctor",
         help="check a config, its model and this machine for known-bad set-ups (also run by train)",
@@ -146,14 +162,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_xtuner(source: Path, deepspeed: str | None, nproc: int, out: Path | None) -> Path | None:
+    """Print the native equivalent of an xtuner config (and write it to `out`)."""
+    from tuneforge.xtuner.mapping import import_config, to_yaml
+
+    result = import_config(source, deepspeed, nproc)
+    text = to_yaml(result, source)
+    print(text)
+    if result.unmapped:
+        print(f"{len(result.unmapped)} setting(s) not mapped: the NOT MAPPED lines above say which and why")
+    if out is None:
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out)  # several ranks started by torchrun may write it at once
+    print(f"written to {out}; run it with: {result.launch.replace('OUT.yaml', str(out))}")
+    return out
+
+
 def _train(args: argparse.Namespace) -> int:
     from tuneforge.config import load_config
 
+    work_dir = args.work_dir or Path("work_dirs") / args.config.stem
+    if args.config.suffix == ".py":
+        nproc = args.nproc_per_node * args.nnodes
+        args.config = _import_xtuner(args.config, args.deepspeed, nproc, work_dir / "imported-xtuner.yaml")
+    elif args.deepspeed:
+        raise UserError("--deepspeed names an xtuner preset and goes with an xtuner .py config; use parallel.* keys")
     config = load_config(args.config, args.overrides)  # validated before anything heavy is imported
     from tuneforge.distributed import launched_by_torchrun
     from tuneforge.train.run import run_training
 
-    work_dir = args.work_dir or Path("work_dirs") / args.config.stem
     if args.nproc_per_node * args.nnodes > 1 and not launched_by_torchrun():
         from tuneforge.launch import launch_workers
 
@@ -250,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
 
             for line in export(args.checkpoint, args.out, args.merge, args.dtype, args.base):
                 print(line)
+        elif args.command == "import-xtuner":
+            _import_xtuner(args.config, args.deepspeed, args.nproc_per_node, args.out)
         elif args.command == "doctor":
             return _doctor(args)
         elif args.command == "diagnose":

@@ -64,3 +64,12 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()
+
+
+def gather_objects(value: object, info: DistInfo) -> list[object]:
+    """Every rank's `value`, in rank order (a collective: all ranks call it)."""
+    if not info.distributed:
+        return [value]
+    gathered: list[object] = [None] * info.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered

@@ -12,6 +12,9 @@ from torch.distributed.run import run as elastic_run
 
 from tuneforge.diagnostics.report import REPORT, build_report
 
+USER_ERROR_EXIT = 2
+"""What `tuneforge` exits with after printing a UserError."""
+
 
 def launch_workers(
     argv: list[str],
@@ -48,8 +51,8 @@ def launch_workers(
 def report_failure(exc: ChildFailedError, work_dir: Path | None, world_size: int, started: float) -> None:
     first_rank_failed, first = exc.get_first_failure()
     print(f"tuneforge: rank {first_rank_failed} failed first (exit {first.exitcode})", file=sys.stderr)
-    if work_dir is None:
-        return
+    if work_dir is None or first.exitcode == USER_ERROR_EXIT:
+        return  # a configuration or data error, already explained by the ranks: not a hang
     diagnostics = work_dir / "diagnostics"
     report = diagnostics / REPORT
     if report.exists() and report.stat().st_mtime >= started:

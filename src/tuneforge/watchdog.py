@@ -20,6 +20,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import select
 import signal
 import socket
 import statistics
@@ -74,6 +75,9 @@ def thread_stacks(skip_current: bool = True) -> tuple[str, str]:
     main = frames.get(threading.main_thread().ident)
     if main is not None:
         stack = [f for f in traceback.extract_stack(main) if "tuneforge/diagnostics/recorder.py" not in f.filename]
+        # A main thread inside our SIGTERM handler: where it was is the frame below the handler.
+        while stack and (stack[-1].filename.endswith(("/threading.py", "tuneforge/watchdog.py"))):
+            stack.pop()
         if stack:
             last = stack[-1]
             where = f"{last.filename}:{last.lineno} in {last.name}"
@@ -145,10 +149,8 @@ class StallWatchdog:
         self.live_dir.mkdir(parents=True, exist_ok=True)
         self._backstop_file = (self.diagnostics_dir / f"backstop-stacks-rank{self.rank}.txt").open("w")
         self._arm_backstop()
-        # Stacks on SIGTERM (the launcher stopping this rank because another failed), written from C, so they
-        # come even while the main thread is blocked in a collective; then the default action terminates.
         if threading.current_thread() is threading.main_thread():
-            faulthandler.register(signal.SIGTERM, file=self._backstop_file, all_threads=True, chain=True)
+            self._catch_sigterm()
         self._write_heartbeat()
         self._thread = threading.Thread(target=self._watch, name="tuneforge-watchdog", daemon=True)
         self._thread.start()
@@ -192,8 +194,10 @@ class StallWatchdog:
         if self._thread is not None:
             self._thread.join()
             faulthandler.cancel_dump_traceback_later()
-            if threading.current_thread() is threading.main_thread():
+            if threading.current_thread() is threading.main_thread() and hasattr(self, "_signal_read"):
                 faulthandler.unregister(signal.SIGTERM)
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             self._backstop_file.close()
             (self.diagnostics_dir / f"backstop-stacks-rank{self.rank}.txt").unlink(missing_ok=True)
             self._write_heartbeat(finished=True)
@@ -203,9 +207,38 @@ class StallWatchdog:
         faulthandler.dump_traceback_later(self.limit_s * 2 + 60, repeat=False, file=self._backstop_file, exit=True)
 
     # -- monitor thread -------------------------------------------------------------------------------------
+    def _catch_sigterm(self) -> None:
+        """The launcher stops every rank with SIGTERM when one fails; the stopped ranks' collectives are the
+        evidence. Python runs signal handlers only when the main thread returns to the interpreter, which a
+        rank blocked in a collective never does, but the C-level handler writes the signal number to the wakeup
+        fd at once: the monitor thread reads it, dumps this rank's state, then exits."""
+        self._signal_read, signal_write = os.pipe()
+        os.set_blocking(signal_write, False)
+        self._terminated = threading.Event()
+
+        def on_sigterm(_signum: int, _frame: object) -> None:  # when the main thread is free: let the dump finish
+            self._terminated.wait(10)
+            os._exit(128 + signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        signal.set_wakeup_fd(signal_write)
+        # C-level stacks as well (the backstop file), then the handler above.
+        faulthandler.register(signal.SIGTERM, file=self._backstop_file, all_threads=True, chain=True)
+
+    def _on_signals(self) -> None:
+        ready, _, _ = select.select([self._signal_read], [], [], 0)
+        if not ready:
+            return
+        if signal.SIGTERM in os.read(self._signal_read, 64):
+            self.dump("terminated", "stopped by SIGTERM (the launcher stops every rank when one fails)")
+            self._terminated.set()
+            os._exit(128 + signal.SIGTERM)
+
     def _watch(self) -> None:
         last_heartbeat = 0.0
         while not self._stop.wait(0.25):
+            if hasattr(self, "_signal_read"):
+                self._on_signals()
             now = time.monotonic()
             if now - last_heartbeat >= HEARTBEAT_EVERY_S:
                 self._write_heartbeat()

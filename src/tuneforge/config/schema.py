@@ -256,6 +256,10 @@ class TrainConfig(Section):
     """MoE models: weight of the router load-balancing loss added to the training loss (it equals top_k when
     routing is balanced). None takes the model config's `router_aux_loss_coef`, else 0.001; 0 turns it off."""
 
+    max_nonfinite_steps: int = Field(3, ge=1)
+    """A step whose loss or gradient norm is not finite is skipped and reported with its samples; the run stops
+    after this many in a row (under DeepSpeed, which cannot skip a bf16/fp32 step, at the first)."""
+
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them: about a third more
     compute for much less activation memory. Turn it on when activations are what does not fit."""
@@ -314,6 +318,9 @@ class CheckpointConfig(Section):
     save_final: bool = True
     """Save `checkpoints/final/` when training ends."""
 
+    keep_best: bool = False
+    """Also keep `checkpoints/best/`: the model at the lowest validation loss so far (needs a validation split)."""
+
 
 class ExactMatchConfig(Section):
     file: str
@@ -330,6 +337,10 @@ class ExactMatchConfig(Section):
 
 
 class EvalConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Validation loss every N optimizer steps, on all ranks, when there is a validation split (0: only at the
+    end). Logged as `val_loss` in `metrics.jsonl`."""
+
     sample_prompts: list[str] = Field(default_factory=list)
     """User prompts answered (greedy) during training, printed and written to `samples.jsonl`."""
 

@@ -8,7 +8,8 @@ diagnosis can be checked end to end through the real launcher:
 - `extra_batch`: the rank gets one micro-batch more than the others in that step (uneven data);
 - `sleep_data`: the rank sleeps `seconds` while loading that step's data (a straggler);
 - `kill`: the rank kills itself with SIGKILL (a crash, or the OOM killer);
-- `kill_in_save`: the same, in the middle of writing that step's checkpoint.
+- `kill_in_save`: the same, in the middle of writing that step's checkpoint;
+- `nan_loss`: the rank's loss of that step is NaN (a bad sample, an overflow).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 ENV = "TUNEFORGE_INJECT_FAULT"
-KINDS = ("skip_all_reduce", "rank_only_collective", "extra_batch", "sleep_data", "kill", "kill_in_save")
+KINDS = ("skip_all_reduce", "rank_only_collective", "extra_batch", "sleep_data", "kill", "kill_in_save", "nan_loss")
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,8 @@ def _alive(heartbeat: dict | None) -> bool | None:
 
 
 def _exit_description(code: int) -> str:
+    if code > 128 and code - 128 in (signal.SIGTERM, signal.SIGKILL):
+        code = 128 - code  # 143: a shell-style exit after SIGTERM
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

@@ -20,6 +20,8 @@ class Engine(Protocol):
     info: DistInfo
     sharded: bool
     """Parameters live in pieces across ranks: every forward is a collective, so generation runs in lockstep."""
+    skips_nonfinite: bool
+    """`step` leaves weights and optimizer state untouched when the gradient norm is not finite."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -44,8 +46,8 @@ class Engine(Protocol):
         ...
 
     def step(self, lr: float, max_grad_norm: float) -> float:
-        """Clip the gradients to `max_grad_norm` (0: no clipping), apply them at learning rate `lr`, clear them.
-        Returns the global gradient norm before clipping."""
+        """Clip the gradients to `max_grad_norm` (0: no clipping), apply them at learning rate `lr` (unless the
+        norm is not finite, where `skips_nonfinite`), clear them. Returns the global norm before clipping."""
         ...
 
     def save_state(self, directory: Path) -> None:

@@ -64,6 +64,8 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig, world_size: i
 
 class DeepSpeedEngine:
     name = "deepspeed"
+    skips_nonfinite = False
+    """DeepSpeed applies a bf16/fp32 step whatever the gradients (it skips overflow only with fp16 scaling)."""
 
     def __init__(
         self,

@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from tuneforge.distributed import DistInfo
+from tuneforge.engines.single import apply_step, global_grad_norm
 from tuneforge.model.moe import find_moe_blocks
 from tuneforge.model.structure import decoder_layers
 
@@ -32,6 +32,7 @@ from tuneforge.model.structure import decoder_layers
 class FSDPEngine:
     name = "fsdp"
     sharded = True
+    skips_nonfinite = True
 
     def __init__(
         self,
@@ -48,16 +49,21 @@ class FSDPEngine:
         if bf16_params:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy()
+            # Pinned host memory speeds up copies to a GPU and does not exist without one.
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
         if not cpu_offload:
             model = model.to(info.device)
-        for layer in decoder_layers(model):
+        # The root unit is the Hugging Face model itself, inside a PEFT wrapper if there is one: generation calls
+        # that model's forward directly, and its hooks are what gather the root's parameters (the embeddings).
+        root = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in decoder_layers(root):
             fully_shard(layer, **options)
-        fully_shard(model, **options)
-        if moe_safety and find_moe_blocks(model):
+        fully_shard(root, **options)
+        if moe_safety and find_moe_blocks(root):
             # Experts that receive no tokens on one rank have no gradient there: reduce zeros for them, so
             # every rank's reduce-scatter has the same size.
-            model.set_reduce_scatter_unused_params(True)
+            root.set_reduce_scatter_unused_params(True)
+        self._root = root
         self._model = model
         # Built after sharding: the optimizer must hold the sharded parameters.
         self.optimizer = make_optimizer(model)
@@ -76,7 +82,7 @@ class FSDPEngine:
         return tensor.tolist()
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
-        self._model.set_requires_gradient_sync(last)
+        self._root.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -84,19 +90,11 @@ class FSDPEngine:
         (loss * self.info.world_size).backward()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        params = [p for p in self._model.parameters() if p.grad is not None]
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return global_grad_norm(list(self._model.parameters()), max_norm)
 
     def step(self, lr: float, max_grad_norm: float) -> float:
         norm = self.clip_grad_norm(max_grad_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_step(self.optimizer, norm, lr)
         return norm
 
     def save_state(self, directory: Path) -> None:

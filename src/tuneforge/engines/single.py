@@ -3,24 +3,41 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tuneforge.distributed import DistInfo
 
 
 def global_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
-    grads = [p for p in parameters if p.grad is not None]
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    return float(torch.nn.utils.get_total_norm([p.grad for p in grads]))
+    """The gradients' global norm before clipping; clipped to `max_norm` (0: not clipped) when finite. Works on
+    sharded (DTensor) gradients too: the norm is then a collective."""
+    with_grads = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
+    norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
+    if max_norm > 0 and math.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
+    return norm
+
+
+def apply_step(optimizer: torch.optim.Optimizer, norm: float, lr: float) -> None:
+    """Step unless the gradients are not finite: a skipped step leaves weights and optimizer moments as they
+    were (the loop reports it and stops after too many in a row)."""
+    if math.isfinite(norm):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 class SingleEngine:
     name = "single"
     sharded = False
+    skips_nonfinite = True
 
     def __init__(
         self,
@@ -75,8 +92,5 @@ class SingleEngine:
 
     def step(self, lr: float, max_grad_norm: float) -> float:
         norm = self.clip_grad_norm(max_grad_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_step(self.optimizer, norm, lr)
         return norm

@@ -8,8 +8,10 @@ out whatever naming a model uses.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -85,6 +87,30 @@ def resolve_lora_targets(model: nn.Module, settings: LoraSettings) -> LoraTarget
     return LoraTargets(modules, parameters, skipped)
 
 
+@contextlib.contextmanager
+def exact_targets(model: nn.Module) -> Iterator[None]:
+    """Keep PEFT to the targets given. For models whose MoE layout changed in transformers 5 (DeepseekV2,
+    Mixtral, Qwen3-MoE...), PEFT rewrites targets written for transformers 4: any module path ending in
+    `down_proj`, `gate_proj` or `up_proj` (the dense MLP, the shared experts) then also puts adapters on every
+    routed expert's fused weights, which is what `model.lora.experts: false` must prevent. That rewrite is keyed
+    on the config's model type, so the type is shown under another name while adapters are attached or loaded;
+    no code is replaced, and the config is restored at once."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        yield
+        return
+    shadowed = "model_type" in vars(config)
+    original = config.model_type
+    config.model_type = f"{original}+tuneforge"
+    try:
+        yield
+    finally:
+        if shadowed:
+            config.model_type = original
+        else:
+            del config.model_type
+
+
 def apply_lora(model: nn.Module, settings: LoraSettings) -> tuple[nn.Module, str]:
     """The PEFT model with adapters on the resolved targets, and a line saying where they went."""
     from peft import LoraConfig, get_peft_model
@@ -101,7 +127,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> tuple[nn.Module, str
         use_rslora=settings.use_rslora,
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, config)
+    with exact_targets(model):
+        peft_model = get_peft_model(model, config)
     return (
         peft_model,
         f"lora: r={settings.r} alpha={settings.alpha:g} dropout={settings.dropout:g}, {targets.describe()}",

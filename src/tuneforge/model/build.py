@@ -14,7 +14,7 @@ from tuneforge.config.schema import ModelConfig
 from tuneforge.data.byte_tokenizer import build_byte_tokenizer
 from tuneforge.distributed import DistInfo, barrier
 from tuneforge.errors import UserError
-from tuneforge.model.quantize import bitsandbytes_config, check_cpu_kernel_sizes
+from tuneforge.model.quantize import bitsandbytes_config, check_cpu_kernel_sizes, keep_training_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,7 +93,7 @@ def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: boo
         options["quantization_config"] = bitsandbytes_config(cfg.quantization, sharded_engine)
         options["device_map"] = {"": device}
     try:
-        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote, **options)
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote, **options)
     except OSError as exc:
         raise UserError(f"model.path: cannot load a model from {path!r} ({exc})") from None
     except ValueError as exc:
@@ -103,6 +103,9 @@ def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: boo
             f"model.attn_implementation: {cfg.attn_implementation} is not supported by this model; "
             "set model.attn_implementation=eager"
         ) from None
+    if cfg.quantization is not None:
+        keep_training_layout(model)
+    return model
 
 
 def build_model(

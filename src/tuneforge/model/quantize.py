@@ -66,3 +66,17 @@ def check_cpu_kernel_sizes(skeleton: nn.Module, settings: QuantizationConfig) ->
             f"a multiple of {CPU_BLOCK}; these are not: {shown}. Resize the model, list those modules in "
             "model.quantization.skip_modules, or train on a GPU"
         )
+
+
+def keep_training_layout(model: nn.Module) -> int:
+    """On CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit layer's weight in place the first time it runs
+    without gradients (generation, evaluation), into a layout only its inference kernel reads; that needs
+    input sizes divisible by the quantization block, breaks sharded (ZeRO-3, FSDP) weights, and leaves a
+    training model with rewritten weights. Quantized layers are told to keep the layout they were trained in;
+    returns how many were."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count

@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError
+from tuneforge.model.adapters import exact_targets
 from tuneforge.model.build import DTYPES
-from tuneforge.model.quantize import bitsandbytes_config
+from tuneforge.model.quantize import bitsandbytes_config, keep_training_layout
 from tuneforge.train.checkpoint import read_chat_meta
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -74,7 +75,8 @@ def _load_base(path: str, adapter_meta: dict[str, Any], dequantize: bool) -> Pre
     )
     if dequantize:
         # The exact values the adapter was trained against, as plain float32 weights.
-        model = model.dequantize()
+        return model.dequantize()
+    keep_training_layout(model)  # the same kernels as in training, so chat answers as the samples did
     return model
 
 
@@ -92,7 +94,8 @@ def load_trained(checkpoint: Path, base: Path | None = None, merge: bool = False
         return Trained(model.eval(), tokenizer, meta, None)
     base_path = adapter_base(checkpoint, base)
     base_model = _load_base(base_path, meta.get("adapter", {}), dequantize=merge)
-    model = PeftModel.from_pretrained(base_model, checkpoint)
+    with exact_targets(base_model):
+        model = PeftModel.from_pretrained(base_model, checkpoint)
     if merge:
         model = model.merge_and_unload()
     return Trained(model.eval(), tokenizer, meta, base_path)

@@ -21,8 +21,9 @@ from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.templates import ChatTemplate
 from tuneforge.diagnostics.faults import injected_fault
-from tuneforge.distributed import barrier
+from tuneforge.distributed import barrier, gather_objects
 from tuneforge.engines import Engine
+from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.train.checkpoint import commit_checkpoint, prune_checkpoints, temporary_dir, write_model_files
@@ -31,6 +32,8 @@ from tuneforge.train.metrics import MetricsLog
 from tuneforge.train.progress import ProgressReporter
 from tuneforge.train.schedule import LRSchedule, resolve_warmup
 from tuneforge.train.state import TRAINING_STATE, ResumePoint, save_rng, write_state
+from tuneforge.train.telemetry import peak_flops, peak_memory_gb
+from tuneforge.train.validate import validation_loss
 from tuneforge.watchdog import StallWatchdog
 
 
@@ -52,6 +55,7 @@ def accumulate_gradients(
     balance: RouterBalance | None = None,
     on_micro_start: Callable[[int], None] | None = None,
     skip_target_sync: bool = False,
+    poison_loss: bool = False,
 ) -> AccumulatedStep:
     """Backward every micro-batch with its loss sum divided by the step's total target count over all ranks,
     so the gradient is that of the mean over all target tokens, however they are split into micro-batches
@@ -70,6 +74,8 @@ def accumulate_gradients(
         with engine.micro_step(last=index == len(micro_batches)):
             with balance.capture() if balance is not None else contextlib.nullcontext():
                 loss = loss_sum(engine.model, batch, precision, engine.unwrapped) / total_targets
+            if poison_loss:  # fault injection only: a NaN loss, as a bad sample or an overflow would give
+                loss = loss * float("nan")
             objective = loss
             if balance is not None:
                 aux = balance.loss(batch.attention_mask, batch.num_targets, total_targets, engine.sum_across_ranks)
@@ -123,10 +129,17 @@ class Trainer:
         work_dir: Path,
         watchdog: StallWatchdog,
         balance: RouterBalance | None = None,
+        validation: list[MicroBatch] | None = None,
+        active_parameters: int = 0,
     ):
         self.cfg = cfg
+        self.validation = validation
+        self.best_val_loss = float("inf")
         self.balance = balance
         self.fault = injected_fault()
+        self.active_parameters = active_parameters
+        self.peak_flops = peak_flops(engine.info.device)
+        self.nonfinite_in_row = 0
         self.engine = engine
         self.is_main = engine.info.is_main
         self.tokenizer = tokenizer
@@ -166,7 +179,10 @@ class Trainer:
         cfg, engine = self.cfg, self.engine
         engine.model.train()
         start_step = start.step if start is not None else 0
+        self.progress.first_step = start_step
         self.samples_consumed = start.samples_consumed if start is not None else 0
+        if start is not None and start.best_val_loss is not None:
+            self.best_val_loss = start.best_val_loss
         metrics_path = self.work_dir / "metrics.jsonl"
         metrics_log = MetricsLog(metrics_path, append=start_step > 0) if self.is_main else None
         history: list[dict] = []
@@ -188,6 +204,10 @@ class Trainer:
                 self.watchdog.beat("optimizer")
                 lr = self.schedule(step)
                 grad_norm = engine.step(lr, cfg.train.max_grad_norm)
+                finite = math.isfinite(accumulated.loss) and math.isfinite(grad_norm)
+                if not finite:
+                    self._nonfinite_step(step, accumulated.loss, grad_norm, micro_batches)
+                self.nonfinite_in_row = 0 if finite else self.nonfinite_in_row + 1
                 seconds = time.monotonic() - step_start
                 record = {
                     "step": step,
@@ -201,8 +221,19 @@ class Trainer:
                     "trained_tokens": accumulated.num_targets,
                     "elapsed_s": time.monotonic() - started,
                 }
+                if not finite:
+                    record["skipped"] = engine.skips_nonfinite
+                # Model FLOPs: 6 x active parameters per token (forward and backward), the attention term left out.
+                flops = 6 * self.active_parameters * accumulated.num_tokens / seconds
+                record["model_tflops"] = flops / 1e12
+                if self.peak_flops:
+                    record["mfu"] = flops / (self.peak_flops * engine.info.world_size)
+                record["peak_memory_gb"] = peak_memory_gb(engine.info.device)
                 if accumulated.router_aux_loss is not None:
                     record["router_aux_loss"] = accumulated.router_aux_loss
+                every = cfg.eval.every_steps
+                if self.validation and ((every and step % every == 0) or step == self.total_steps):
+                    record["val_loss"] = self.validate(step, epoch)
                 if metrics_log is not None:
                     metrics_log.write(record)
                 history.append(record)
@@ -239,6 +270,7 @@ class Trainer:
 
         self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
         skip = self.fault is not None and self.fault.due("skip_all_reduce", self.engine.info.rank, step)
+        poison = self.fault is not None and self.fault.due("nan_loss", self.engine.info.rank, step)
         return accumulate_gradients(
             self.engine,
             micro_batches,
@@ -247,6 +279,7 @@ class Trainer:
             self.balance,
             on_micro_start=on_micro_start,
             skip_target_sync=skip,
+            poison_loss=poison,
         )
 
     def _inject_data_fault(self, step: int) -> None:
@@ -257,6 +290,33 @@ class Trainer:
             time.sleep(self.fault.seconds)
         if self.fault.due("kill", rank, step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _nonfinite_step(self, step: int, loss: float, norm: float, micro_batches: list[MicroBatch]) -> None:
+        """Report the step with the samples of the whole global batch; stop after too many in a row."""
+        origins = gather_objects(sorted({o for mb in micro_batches for o in mb.origins}), self.engine.info)
+        samples = sorted({o for rank_origins in origins for o in rank_origins})
+        shown = ", ".join(samples[:8]) + (f" and {len(samples) - 8} more" if len(samples) > 8 else "")
+        skipped = self.engine.skips_nonfinite
+        self.progress.log(
+            f"step {step}: loss {loss} / gradient norm {norm} is not finite; the step was "
+            f"{'skipped' if skipped else 'applied (DeepSpeed cannot skip it)'}; its samples: {shown}"
+        )
+        in_row = self.nonfinite_in_row + 1
+        if not skipped or in_row >= self.cfg.train.max_nonfinite_steps:
+            raise UserError(
+                f"training stopped at step {step}: {in_row} non-finite step(s) in a row "
+                f"(train.max_nonfinite_steps={self.cfg.train.max_nonfinite_steps}); last samples: {shown}. Lower "
+                "train.lr, check those samples, or resume from the last checkpoint with --resume auto"
+            )
+
+    def validate(self, step: int, epoch: int) -> float:
+        self.watchdog.beat("eval")
+        loss, _ = validation_loss(self.engine, self.validation or [], self.cfg.train.precision)
+        if self.cfg.checkpoint.keep_best and loss < self.best_val_loss:
+            self.save("best", step, epoch, with_state=False)
+        self.best_val_loss = min(self.best_val_loss, loss)
+        self.watchdog.beat("eval")
+        return loss
 
     def sample_chats(self, step: int) -> None:
         evaluation = self.cfg.eval
@@ -311,6 +371,7 @@ class Trainer:
                     train.micro_batch_size,
                     train.gradient_accumulation,
                     self.engine.name,
+                    self.best_val_loss if self.best_val_loss < float("inf") else None,
                 )
                 write_state(tmp / TRAINING_STATE, point)
             else:

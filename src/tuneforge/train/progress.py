@@ -14,6 +14,9 @@ def _format_step(step: int, metrics: dict[str, float]) -> str:
         f"loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  grad_norm {metrics['grad_norm']:.3f}  "
         f"tok/s {metrics['tokens_per_s']:,.0f}"
         + (f"  router_aux {metrics['router_aux_loss']:.4f}" if "router_aux_loss" in metrics else "")
+        + (f"  val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
+        + (f"  MFU {100 * metrics['mfu']:.0f}%" if "mfu" in metrics else "")
+        + (f"  mem {metrics['peak_memory_gb']:.1f}GB" if "peak_memory_gb" in metrics else "")
     )
 
 
@@ -29,6 +32,8 @@ class ProgressReporter:
         use_bar = mode == "bar" or (mode == "auto" and self.console.is_terminal)
         self.bar: Progress | None = None
         self.started = time.monotonic()
+        self.first_step = 0
+        """Steps done before this process started (a resumed run): the ETA counts only this run's pace."""
         if use_bar:
             self.bar = Progress(
                 TextColumn("step {task.fields[step]}/{task.fields[total_steps]}"),
@@ -67,7 +72,7 @@ class ProgressReporter:
             return
         if step == 1 or step % self.every_steps == 0 or step == self.total_steps:
             elapsed = time.monotonic() - self.started
-            eta = elapsed / step * (self.total_steps - step)
+            eta = elapsed / max(step - self.first_step, 1) * (self.total_steps - step)
             self.log(
                 f"step {step}/{self.total_steps}  {_format_step(step, metrics)}  elapsed {elapsed:.0f}s  ETA {eta:.0f}s"
             )

@@ -29,6 +29,8 @@ from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.loop import Trainer
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.state import TRAINING_STATE, ResumePoint, check_compatible, find_resume, load_rng, read_state
+from tuneforge.train.telemetry import active_matmul_parameters
+from tuneforge.train.validate import validation_batches
 from tuneforge.watchdog import StallWatchdog, exception_site
 
 
@@ -168,11 +170,31 @@ def _train(
     if balance_note:
         say(balance_note)
 
+    active_parameters = active_matmul_parameters(model)  # before an engine shards it
     seed_everything(cfg.train.seed)
     engine = build_engine(engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train)
     planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
     RECORDER.track_modules(engine.unwrapped)
-    trainer = Trainer(cfg, engine, tokenizer, template, planner, work_dir, watchdog, balance)
+    validation = None
+    if data.validation is not None and len(data.validation.data):
+        validation = list(
+            validation_batches(
+                data.validation.data,
+                cfg.train.micro_batch_size,
+                tokenizer.pad_token_id,
+                info.rank,
+                info.world_size,
+                cfg.data.packing,
+                cfg.data.max_length,
+            )
+        )
+    elif cfg.checkpoint.keep_best:
+        raise UserError(
+            "checkpoint.keep_best needs a validation split: set data.validation_files or validation_fraction"
+        )
+    trainer = Trainer(
+        cfg, engine, tokenizer, template, planner, work_dir, watchdog, balance, validation, active_parameters
+    )
     global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation * info.world_size
     say(
         f"train: {trainer.total_steps} optimizer steps of {cfg.train.gradient_accumulation} x "
@@ -192,6 +214,8 @@ def _train(
         )
     history = trainer.run(start)
     summary: dict = {"steps": len(history), "final_loss": history[-1]["loss"] if history else None}
+    if history and "val_loss" in history[-1]:
+        summary["val_loss"] = history[-1]["val_loss"]
 
     match_cfg = cfg.eval.exact_match
     if match_cfg is not None:
@@ -215,5 +239,38 @@ def _train(
         say(f"{result.label} accuracy: {result.accuracy:.3f}")
         say(f"({result.correct}/{result.total} exact matches; details in {work_dir / 'eval.json'})")
         summary["accuracy"] = result.accuracy
+    for line in closing_summary(history, work_dir, cfg):
+        say(line)
     barrier(info)
     return summary
+
+
+def closing_summary(history: list[dict], work_dir: Path, cfg: Config) -> list[str]:
+    """One screen at the end: time, tokens, losses, where the checkpoints are, what to run next."""
+    if not history:
+        return []
+    last = history[-1]
+    tokens = sum(r["tokens"] for r in history)
+    trained = sum(r["trained_tokens"] for r in history)
+    lines = [
+        f"done: {len(history)} steps in {last['elapsed_s']:.0f}s, {tokens:,} tokens ({trained:,} trained); "
+        f"final loss {last['loss']:.4f}"
+    ]
+    validated = [r for r in history if "val_loss" in r]
+    if validated:
+        best = min(validated, key=lambda r: r["val_loss"])
+        lines[0] += (
+            f", validation loss {validated[-1]['val_loss']:.4f} (best {best['val_loss']:.4f} at step {best['step']})"
+        )
+    skipped = sum(1 for r in history if "skipped" in r)
+    if skipped:
+        lines.append(f"non-finite steps: {skipped} (see the lines above)")
+    checkpoints = work_dir / "checkpoints"
+    final = checkpoints / "final"
+    if cfg.checkpoint.save_final:
+        lines.append(f"checkpoints: {checkpoints} (final model: {final})")
+        lines.append(f"chat with it:  tuneforge chat {final}")
+        merge = " --merge" if cfg.model.lora is not None else ""
+        lines.append(f"export it:     tuneforge export {final} --out {work_dir / 'export'}{merge}")
+    lines.append(f"metrics: {work_dir / 'metrics.jsonl'}")
+    return lines

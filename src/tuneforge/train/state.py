@@ -33,6 +33,7 @@ class ResumePoint:
     micro_batch_size: int
     gradient_accumulation: int
     engine: str
+    best_val_loss: float | None = None
 
 
 def save_rng(directory: Path, rank: int) -> None:

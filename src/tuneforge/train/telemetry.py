@@ -1,0 +1,48 @@
+"""Figures for the step line: peak memory, model FLOP/s and, on GPUs whose peak is known, the model FLOPs
+utilisation."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+from torch import nn
+
+from tuneforge.model.moe import find_moe_blocks
+
+GPU_PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+"""Dense bf16 tensor-core peaks from the vendors' data sheets, matched against the device name."""
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated GPU memory on GPU; the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kilobytes on Linux
+
+
+def _numel(param: torch.Tensor) -> int:
+    state = getattr(param, "quant_state", None)  # packed k-bit weights hold several values per element
+    return int(torch.Size(state.shape).numel()) if state is not None else param.numel()
+
+
+def active_matmul_parameters(model: nn.Module) -> int:
+    """Parameters a token multiplies with: all but the input embedding, and for MoE only the routed experts
+    a token is sent to (top_k of num_experts). Call it before an engine shards the model."""
+    total = sum(_numel(p) for p in model.parameters())
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is not None:
+        total -= embedding.weight.numel()
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    for block in find_moe_blocks(model):
+        experts = sum(_numel(p) for p in getattr(block.module, block.experts_name).parameters())
+        if top_k:
+            total -= int(experts * (1 - top_k / block.num_experts))
+    return total
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_PEAK_BF16_FLOPS.items() if key in name), None)

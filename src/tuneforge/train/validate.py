@@ -1,0 +1,47 @@
+"""Validation loss on all ranks: the mean over every target token of the validation split."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from tuneforge.data.batching import MicroBatch, best_fit_decreasing, collate, plan_epoch
+from tuneforge.data.templates import IGNORE_INDEX
+from tuneforge.data.tokenize import TokenizedData
+from tuneforge.engines import Engine
+from tuneforge.train.loss import loss_sum
+
+
+def validation_batches(
+    data: TokenizedData, micro_batch_size: int, pad_id: int, rank: int, world_size: int, packing: bool, max_length: int
+) -> Iterator[MicroBatch]:
+    """This rank's share of every global validation micro-batch. When a batch has fewer rows than ranks, the
+    rows repeated to give every rank a batch have their targets masked, so each sample counts exactly once."""
+    packed_rows = best_fit_decreasing(data.lengths, max_length) if packing else None
+    plan = plan_epoch(
+        data.lengths, micro_batch_size * world_size, "packed" if packing else "grouped", 0, 0, packed_rows
+    )
+    for batch in plan:
+        real = len(batch)
+        rows = batch + [batch[i % real] for i in range(max(0, world_size - real))]
+        bounds = np.linspace(0, len(rows), world_size + 1).round().astype(int)
+        mine = collate(data, rows[bounds[rank] : bounds[rank + 1]], pad_id, packing)
+        for position in range(bounds[rank], bounds[rank + 1]):
+            if position >= real:
+                mine.targets[position - bounds[rank]] = IGNORE_INDEX
+        yield mine
+
+
+@torch.no_grad()
+def validation_loss(engine: Engine, batches: list[MicroBatch], precision: str) -> tuple[float, int]:
+    """(mean loss per target token over all ranks, target tokens). Every rank runs the same number of forwards."""
+    engine.model.eval()
+    total, targets = 0.0, 0
+    for batch in batches:
+        total += float(loss_sum(engine.model, batch, precision, engine.unwrapped))
+        targets += batch.num_targets
+    engine.model.train()
+    total, targets = engine.sum_across_ranks([total, targets])
+    return total / max(targets, 1.0), int(targets)

@@ -1,0 +1,1 @@
+"""Moving from xtuner: read its Python configs without running them, and map them onto tuneforge."""
