@@ -60,6 +60,23 @@ def test_qlora_storage_that_zero3_cannot_shard_fails(tokenizer):
     assert verdicts(cfg, tokenizer, "ddp")["QLoRA storage dtype"].status == PASS
 
 
+def test_4bit_that_leaves_stacked_experts_unquantized_warns(tokenizer):
+    """transformers 5 keeps MoE experts as stacked parameters, which bitsandbytes does not quantize."""
+    model = {**DEEPSEEK, "lora": {}, "quantization": {}}
+    cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
+    check = verdicts(cfg, tokenizer)["quantized share"]
+    assert check.status == WARN and "MoE experts stored as stacked parameters" in check.detail
+    dense = {
+        "architecture": "llama",
+        "tokenizer": "bytes",
+        "lora": {},
+        "quantization": {},
+        "size": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4},
+    }
+    cfg = Config.model_validate({"model": dense, "data": {"train_files": ["x.jsonl"]}})
+    assert verdicts(cfg, tokenizer)["quantized share"].status == PASS
+
+
 def test_expert_adapters_with_parameter_offload_warn_with_a_cost(tokenizer):
     model = {**DEEPSEEK, "lora": {"r": 8, "experts": True}}
     cfg = Config.model_validate(

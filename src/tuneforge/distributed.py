@@ -73,3 +73,10 @@ def gather_objects(value: object, info: DistInfo) -> list[object]:
     gathered: list[object] = [None] * info.world_size
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
+    """Element-wise sums over all ranks in one collective (float64, so token counts stay exact)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=info.device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()

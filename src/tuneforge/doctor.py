@@ -86,6 +86,35 @@ def check_qlora_storage(cfg: Config, engine: str) -> Check:
     return Check(name, PASS, f"storage {storage}, compute {quantization.compute_dtype}")
 
 
+def check_quantized_share(cfg: Config, skeleton: nn.Module | None) -> Check:
+    name = "quantized share"
+    if cfg.model.quantization is None or skeleton is None:
+        return Check(name, PASS, "no k-bit weights" if cfg.model.quantization is None else "structure not readable")
+    head = skeleton.get_output_embeddings()
+    skip = cfg.model.quantization.skip_modules
+    quantized = sum(
+        module.weight.numel()
+        for module_name, module in skeleton.named_modules()
+        if isinstance(module, nn.Linear)
+        and module is not head
+        and not any(module_name == s or module_name.endswith("." + s) for s in skip)
+    )
+    total = sum(p.numel() for p in skeleton.parameters())
+    share = quantized / total
+    detail = (
+        f"{quantized / 1e9:.2f}B of {total / 1e9:.2f}B parameters ({share:.0%}) are in layers bitsandbytes quantizes"
+    )
+    if share < 0.5:
+        return Check(
+            name,
+            WARN,
+            detail + "; the rest (MoE experts stored as stacked parameters, embeddings) stay in "
+            f"{cfg.model.dtype}, so k-bit loading saves little memory on this model",
+            "budget memory for the unquantized part, or shard it (ZeRO-3 / FSDP) instead of relying on 4-bit",
+        )
+    return Check(name, PASS, detail)
+
+
 def check_remote_code(cfg: Config) -> Check:
     name = "remote code"
     if not cfg.model.trust_remote_code or cfg.model.path is None:
@@ -226,6 +255,7 @@ def run_checks(
     return [
         check_moe_sharding(cfg, engine, skeleton),
         check_qlora_storage(cfg, engine),
+        check_quantized_share(cfg, skeleton),
         check_remote_code(cfg),
         check_expert_adapters(cfg, skeleton),
         check_dtype(cfg, skeleton),

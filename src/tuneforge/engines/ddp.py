@@ -6,12 +6,11 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from tuneforge.diagnostics.recorder import RECORDER
-from tuneforge.distributed import DistInfo
+from tuneforge.distributed import DistInfo, all_reduce_sum
 from tuneforge.engines.single import SingleEngine, global_grad_norm
 from tuneforge.model.moe import find_moe_blocks
 
@@ -53,9 +52,7 @@ class DDPEngine(SingleEngine):
         return self._plain
 
     def sum_across_ranks(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
+        return all_reduce_sum(values, self.info)
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last else self._model.no_sync()

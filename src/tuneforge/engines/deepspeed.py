@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tuneforge.config.schema import ParallelConfig, TrainConfig
-from tuneforge.distributed import DistInfo
+from tuneforge.distributed import DistInfo, all_reduce_sum
 from tuneforge.errors import UserError
 from tuneforge.model.moe import find_moe_blocks
 
@@ -99,9 +98,7 @@ class DeepSpeedEngine:
         return self._engine.module
 
     def sum_across_ranks(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
+        return all_reduce_sum(values, self.info)
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         # Our steps may take fewer micro-batches than `gradient_accumulation` (the end of an epoch).

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -23,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from tuneforge.distributed import DistInfo
+from tuneforge.distributed import DistInfo, all_reduce_sum
 from tuneforge.engines.single import apply_step, global_grad_norm
 from tuneforge.model.moe import find_moe_blocks
 from tuneforge.model.structure import decoder_layers
@@ -77,9 +76,7 @@ class FSDPEngine:
         return self._model
 
     def sum_across_ranks(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
+        return all_reduce_sum(values, self.info)
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         self._root.set_requires_gradient_sync(last)
