@@ -196,8 +196,10 @@ class StallWatchdog:
             faulthandler.cancel_dump_traceback_later()
             if threading.current_thread() is threading.main_thread() and hasattr(self, "_signal_read"):
                 faulthandler.unregister(signal.SIGTERM)
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.set_wakeup_fd(self._previous_wakeup_fd)
+                signal.signal(signal.SIGTERM, self._previous_sigterm or signal.SIG_DFL)
+                os.close(self._signal_read)
+                os.close(self._signal_write)
             self._backstop_file.close()
             (self.diagnostics_dir / f"backstop-stacks-rank{self.rank}.txt").unlink(missing_ok=True)
             self._write_heartbeat(finished=True)
@@ -220,8 +222,9 @@ class StallWatchdog:
             self._terminated.wait(10)
             os._exit(128 + signal.SIGTERM)
 
-        signal.signal(signal.SIGTERM, on_sigterm)
-        signal.set_wakeup_fd(signal_write)
+        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(signal_write)
+        self._signal_write = signal_write
         # C-level stacks as well (the backstop file), then the handler above.
         faulthandler.register(signal.SIGTERM, file=self._backstop_file, all_threads=True, chain=True)
 
