@@ -146,6 +146,31 @@ def test_bf16_export_halves_the_weights(tmp_path, tokenizer):
         export(checkpoint, tmp_path / "bf16", merge=True, dtype_name="bf16")
 
 
+def test_8bit_base_weights_train_lora(tmp_path, tokenizer):
+    from bitsandbytes.nn import Linear8bitLt
+
+    cfg = model_config("llama", LLAMA, {"bits": 8})
+    model = build_model(cfg, tokenizer, seed=0, base_dir=tmp_path / "base")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Linear8bitLt)
+    model, notes = make_trainable(model, cfg, gradient_checkpointing=False)
+    assert "quantization: base weights 8-bit" in notes[0]
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    from tuneforge.engines.single import SingleEngine
+    from tuneforge.train.loop import accumulate_gradients
+
+    from conftest import rows_batch, tokenized
+
+    data = tokenized(tokenizer, [chat("question", "answer"), chat("other question", "other answer")])
+    batch = rows_batch(data, [0, 1], tokenizer.pad_token_id)
+    engine = SingleEngine(model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]))
+    first = accumulate_gradients(engine, [batch], "fp32").loss
+    for _ in range(5):
+        engine.step(2e-2, 1.0)
+        last = accumulate_gradients(engine, [batch], "fp32").loss
+    assert last < first
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+
+
 def test_layers_the_cpu_kernels_cannot_run_fail_with_a_clear_message(tmp_path, tokenizer):
     size = {**LLAMA, "hidden_size": 32, "intermediate_size": 64}  # k_proj/v_proj: 2 heads x 8 = 16 outputs
     with pytest.raises(UserError, match=r"multiple of 32; these are not: model\.layers\.0\.self_attn\.k_proj \(16\)"):

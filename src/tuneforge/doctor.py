@@ -86,6 +86,10 @@ def check_qlora_storage(cfg: Config, engine: str) -> Check:
     return Check(name, PASS, f"storage {storage}, compute {quantization.compute_dtype}")
 
 
+def _count(values: int) -> str:
+    return f"{values / 1e9:.2f}B" if values >= 1e8 else f"{values / 1e6:.2f}M"
+
+
 def check_quantized_share(cfg: Config, skeleton: nn.Module | None) -> Check:
     name = "quantized share"
     if cfg.model.quantization is None or skeleton is None:
@@ -101,9 +105,7 @@ def check_quantized_share(cfg: Config, skeleton: nn.Module | None) -> Check:
     )
     total = sum(p.numel() for p in skeleton.parameters())
     share = quantized / total
-    detail = (
-        f"{quantized / 1e9:.2f}B of {total / 1e9:.2f}B parameters ({share:.0%}) are in layers bitsandbytes quantizes"
-    )
+    detail = f"{_count(quantized)} of {_count(total)} parameters ({share:.0%}) are in layers bitsandbytes quantizes"
     if share < 0.5:
         return Check(
             name,
