@@ -122,3 +122,47 @@ def test_diagnose_prints_the_report_again_and_dumps_a_live_job(tmp_path):
     assert "(2/2 ranks answered)" in dump.stdout, dump.stdout + dump.stderr
     assert "rank 1: phase data, step 2" in dump.stdout and "in _inject_data_fault" in dump.stdout
     assert "rank 0: phase forward/backward, step 2" in dump.stdout and "waiting in #" in dump.stdout
+
+
+def test_collectives_in_backward_name_the_module_whose_backward_runs(tmp_path):
+    """A collective issued in a module's backward (as FSDP2 and ZeRO-3 do per layer) is recorded with that
+    module; one issued in forward with the module being run. One gloo rank in this process."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from tuneforge.diagnostics.recorder import CollectiveRecorder
+
+    class ReduceGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            dist.all_reduce(grad)
+            return grad
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            dist.barrier()  # a forward collective
+            return ReduceGradient.apply(self.linear(x))
+
+    model = nn.Sequential(Block(), Block())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    recorder = CollectiveRecorder()
+    try:
+        recorder.install()
+        recorder.track_modules(model)
+        recorder.phase = "forward/backward"
+        model(torch.ones(2, 4)).sum().backward()
+    finally:
+        recorder.uninstall()
+        dist.destroy_process_group()
+    issued = [(r["op"], r["module"]) for r in recorder.snapshot()]
+    # Forward runs block 0 then 1; backward runs block 1 then 0.
+    assert issued == [("barrier", "0"), ("barrier", "1"), ("all_reduce", "1"), ("all_reduce", "0")], issued

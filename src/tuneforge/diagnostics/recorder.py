@@ -7,7 +7,8 @@ the first number at which they differ is where they diverged. DDP's bucket all-r
 recorded through a communication hook in the DDP engine instead.
 
 Module tracking uses the global forward hooks of `torch.nn` (no model code is touched): a stack of names,
-pushed before and popped after each forward.
+pushed before and popped after each forward; in backward, a hook on each module's output tensor names the
+module whose backward is about to run.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class CollectiveRecorder:
         self.in_flight: CollectiveRecord | None = None
         self._modules: list[str] = []
         self._names: dict[int, str] = {}
+        self._backward_module = ""
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._originals: dict[str, Callable] = {}
@@ -106,15 +108,35 @@ class CollectiveRecorder:
     def _enter(self, module: nn.Module, _args: Any) -> None:
         name = self._names.get(id(module))
         if name is not None:
+            if not self._modules:
+                self._backward_module = ""  # a new forward: the last backward is over
             self._modules.append(name)
 
-    def _leave(self, module: nn.Module, _args: Any, _output: Any) -> None:
-        if self._names.get(id(module)) is not None and self._modules:
+    def _leave(self, module: nn.Module, _args: Any, output: Any) -> None:
+        name = self._names.get(id(module))
+        if name is not None and self._modules:
             self._modules.pop()
+        # The gradient of a module's output arrives just before its backward runs: a hook on that tensor (it
+        # returns nothing, so gradients are untouched) names the module for the collectives of its backward.
+        # Nested modules often return the same tensor; the innermost one (whose forward ended first) keeps it.
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        if (
+            name is not None
+            and isinstance(first, torch.Tensor)
+            and first.requires_grad
+            and not hasattr(first, "_tuneforge_module")
+        ):
+            first._tuneforge_module = name
+            first.register_hook(lambda _grad, name=name: self._enter_backward(name))
+
+    def _enter_backward(self, name: str) -> None:
+        self._backward_module = name
 
     @property
     def module(self) -> str:
-        return self._modules[-1] if self._modules else ""
+        if self._modules:
+            return self._modules[-1]
+        return self._backward_module if self.phase == "forward/backward" else ""
 
     # -- collectives ---------------------------------------------------------------------------------------
     def record(self, op: str, args: tuple, kwargs: dict) -> CollectiveRecord:
