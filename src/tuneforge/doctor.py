@@ -19,6 +19,7 @@ from tuneforge.config.schema import Config
 from tuneforge.data.conversation import Conversation, Turn
 from tuneforge.data.templates import TOKENIZER, get_template
 from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.quantize import quantized_linears
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -94,15 +95,7 @@ def check_quantized_share(cfg: Config, skeleton: nn.Module | None) -> Check:
     name = "quantized share"
     if cfg.model.quantization is None or skeleton is None:
         return Check(name, PASS, "no k-bit weights" if cfg.model.quantization is None else "structure not readable")
-    head = skeleton.get_output_embeddings()
-    skip = cfg.model.quantization.skip_modules
-    quantized = sum(
-        module.weight.numel()
-        for module_name, module in skeleton.named_modules()
-        if isinstance(module, nn.Linear)
-        and module is not head
-        and not any(module_name == s or module_name.endswith("." + s) for s in skip)
-    )
+    quantized = sum(module.weight.numel() for _, module in quantized_linears(skeleton, cfg.model.quantization))
     total = sum(p.numel() for p in skeleton.parameters())
     share = quantized / total
     detail = f"{_count(quantized)} of {_count(total)} parameters ({share:.0%}) are in layers bitsandbytes quantizes"

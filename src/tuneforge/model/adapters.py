@@ -19,6 +19,7 @@ from torch import nn
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.errors import UserError
 from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.quantize import matches_module_name
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def _matches(name: str, targets: str | list[str]) -> bool:
         return True
     if isinstance(targets, str):
         return re.fullmatch(targets, name) is not None
-    return any(name == target or name.endswith("." + target) for target in targets)
+    return matches_module_name(name, targets)
 
 
 def resolve_lora_targets(model: nn.Module, settings: LoraSettings) -> LoraTargets:

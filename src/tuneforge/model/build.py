@@ -14,7 +14,7 @@ from tuneforge.config.schema import ModelConfig
 from tuneforge.data.byte_tokenizer import build_byte_tokenizer
 from tuneforge.distributed import DistInfo, barrier
 from tuneforge.errors import UserError
-from tuneforge.model.quantize import bitsandbytes_config, check_cpu_kernel_sizes, keep_training_layout
+from tuneforge.model.quantize import bitsandbytes_config, check_cpu_kernel_sizes, keep_training_layout, stored_numel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -147,12 +147,6 @@ def build_model(
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
-
-    def count(param: torch.Tensor) -> int:
-        # Packed k-bit weights hold several values per element; their quantization state knows the real shape.
-        state = getattr(param, "quant_state", None)
-        return int(torch.Size(state.shape).numel()) if state is not None else param.numel()
-
-    trainable = sum(count(p) for p in model.parameters() if p.requires_grad)
-    total = sum(count(p) for p in model.parameters())
+    trainable = sum(stored_numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(stored_numel(p) for p in model.parameters())
     return trainable, total

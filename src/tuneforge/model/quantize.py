@@ -44,20 +44,38 @@ def bitsandbytes_config(settings: QuantizationConfig, sharded_engine: bool):
     )
 
 
+def matches_module_name(name: str, names: list[str]) -> bool:
+    """`q_proj` names every module whose path is `q_proj` or ends with `.q_proj`."""
+    return any(name == short or name.endswith("." + short) for short in names)
+
+
+def quantized_linears(model: nn.Module, settings: QuantizationConfig) -> list[tuple[str, nn.Linear]]:
+    """The layers bitsandbytes will quantize: linear layers except the output head and `skip_modules`."""
+    head = model.get_output_embeddings()
+    skip = ["lm_head", *settings.skip_modules]
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head and not matches_module_name(name, skip)
+    ]
+
+
+def stored_numel(param: torch.Tensor) -> int:
+    """Values a parameter holds: packed k-bit weights hold several per element; their quantization state
+    knows the real shape."""
+    state = getattr(param, "quant_state", None)
+    return int(torch.Size(state.shape).numel()) if state is not None else param.numel()
+
+
 def check_cpu_kernel_sizes(skeleton: nn.Module, settings: QuantizationConfig) -> None:
     """On CPU, bitsandbytes' 4-bit kernels assert that every quantized layer's output size is a multiple of
     32 (deep inside the first single-token forward). Check the model's shapes before loading any weight."""
     if settings.bits != 4:
         return
-    head = skeleton.get_output_embeddings()
-    skip = ["lm_head", *settings.skip_modules]
     bad = [
         f"{name} ({module.out_features})"
-        for name, module in skeleton.named_modules()
-        if isinstance(module, nn.Linear)
-        and module is not head
-        and not any(name == s or name.endswith("." + s) for s in skip)
-        and module.out_features % CPU_BLOCK
+        for name, module in quantized_linears(skeleton, settings)
+        if module.out_features % CPU_BLOCK
     ]
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")

@@ -20,7 +20,7 @@ from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.distributed import DistInfo, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
-from tuneforge.engines import build_engine, choose_engine
+from tuneforge.engines import Engine, build_engine, choose_engine
 from tuneforge.errors import UserError
 from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import build_model, build_tokenizer, count_parameters
@@ -96,7 +96,9 @@ def run_training(cfg: Config, work_dir: Path, resume: str | None = None) -> dict
             torch.distributed.destroy_process_group()
 
 
-def resume_from(checkpoint: Path, engine, trainer: Trainer, cfg: Config, info: DistInfo, work_dir: Path) -> ResumePoint:
+def resume_from(
+    checkpoint: Path, engine: Engine, trainer: Trainer, cfg: Config, info: DistInfo, work_dir: Path
+) -> ResumePoint:
     """Model, optimizer, RNG and data position of `checkpoint`; logs cut back to its step."""
     point = read_state(checkpoint)
     train = cfg.train
