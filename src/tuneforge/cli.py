@@ -19,7 +19,7 @@ TRAIN_EXAMPLES = """examples:
   torchrun --nproc-per-node 8 -m tuneforge train my.yaml           (also works, as does srun)
 
 Overrides are dotted keys with YAML values; `tuneforge config-docs` lists every key.
-Outputs go to the work dir (default work_dirs/<config name>): config.yaml, metrics.jsonl,
+Outputs go to the work dir (default work_dirs/<config name>): config.yaml, metrics.jsonl, plot.png,
 samples.jsonl, eval.json and checkpoints/step-N/ and checkpoints/final/ in Hugging Face format."""
 
 CHAT_EXAMPLES = """examples:
@@ -152,6 +152,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     diagnose.add_argument("work_dir", type=Path, help="the run's work dir")
     diagnose.add_argument("--live", action="store_true", help="dump a running job without stopping it")
+
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's loss and learning rate from its metrics.jsonl into a PNG (also done after training)",
+        epilog="examples:\n  tuneforge plot work_dirs/demo\n  tuneforge plot work_dirs/demo --out /tmp/demo.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plot.add_argument("work_dir", type=Path, help="the run's work dir (works while it trains, too)")
+    plot.add_argument("--out", type=Path, help="PNG to write (default: WORK_DIR/plot.png)")
 
     commands.add_parser(
         "config-docs",
@@ -298,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             from tuneforge.diagnostics.live import last_report, live_dump
 
             print(live_dump(args.work_dir) if args.live else last_report(args.work_dir))
+        elif args.command == "plot":
+            from tuneforge.train.plot import plot_metrics
+
+            print(plot_metrics(args.work_dir, args.out))
         elif args.command == "data":
             return _data(args)
         elif args.command == "config-docs":

@@ -7,6 +7,7 @@ model is built, so a typo costs seconds, not a cluster allocation.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -234,8 +235,19 @@ class TrainConfig(Section):
     warmup_steps: int | None = Field(None, ge=0)
     """Warmup length in optimizer steps; overrides `warmup_ratio` when set."""
 
-    precision: Literal["bf16", "fp32"] = "bf16"
-    """Compute precision: `bf16` autocast (works on CPU too) or plain `fp32`."""
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Compute precision: `bf16` autocast (works on CPU too), `fp16` autocast with loss scaling (for GPUs
+    without bf16, such as V100 and T4), or plain `fp32`. Weights the optimizer updates stay fp32."""
+
+    loss_scale: float | None = Field(None, gt=0)
+    """fp16 only: a fixed loss scale. None scales dynamically: a step whose gradients overflow is skipped,
+    counted and the scale halved; after `loss_scale_window` clean steps it doubles."""
+
+    initial_loss_scale: float = Field(2.0**16, gt=0)
+    """fp16 dynamic scaling: the scale of the first step (a power of two)."""
+
+    loss_scale_window: int = Field(1000, ge=1)
+    """fp16 dynamic scaling: clean steps in a row before the scale doubles."""
 
     micro_batch_size: int = Field(1, ge=1)
     """Samples per forward pass on each process."""
@@ -273,6 +285,9 @@ class TrainConfig(Section):
             raise ValueError(f"`train.betas` must each be in [0, 1), got {list(self.betas)}")
         if self.min_lr > self.lr:
             raise ValueError(f"`train.min_lr` ({self.min_lr}) must not exceed `train.lr` ({self.lr})")
+        power = math.log2(self.initial_loss_scale)
+        if power != int(power):
+            raise ValueError(f"`train.initial_loss_scale` must be a power of two, got {self.initial_loss_scale}")
         return self
 
 
@@ -364,6 +379,24 @@ class LogConfig(Section):
     progress: Literal["auto", "bar", "lines"] = "auto"
     """`bar` redraws a live progress bar, `lines` prints lines, `auto` picks by terminal."""
 
+    tensorboard: bool = False
+    """Also write every step's metrics as TensorBoard scalars under `<work_dir>/tensorboard/` (needs
+    `pip install 'tuneforge[tensorboard]'`)."""
+
+    wandb: bool = False
+    """Also log every step's metrics and the resolved config to Weights & Biases (needs
+    `pip install 'tuneforge[wandb]'`); runs are kept under `<work_dir>/wandb/`."""
+
+    wandb_project: str = Field("tuneforge", min_length=1)
+    """W&B project the run belongs to."""
+
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """`offline` needs no network or account (upload later with `wandb sync <work_dir>/wandb/offline-run-*`);
+    `online` streams to the W&B server and needs a login."""
+
+    plot: bool = True
+    """Draw loss and learning rate against the step into `<work_dir>/plot.png` at the end of training."""
+
 
 class WatchdogConfig(Section):
     enabled: bool = True
@@ -404,6 +437,6 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Samples and accuracy checks."""
     log: LogConfig = Field(default_factory=LogConfig)
-    """Console progress."""
+    """Console progress, metric sinks (TensorBoard, W&B) and the plot."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     """Stall detection."""

@@ -9,6 +9,7 @@ import torch
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine
+from tuneforge.engines.loss_scale import LossScaler
 from tuneforge.errors import UserError
 
 
@@ -33,21 +34,31 @@ def build_engine(
     train: TrainConfig,
 ) -> Engine:
     precision = train.precision
+    scaler = None
+    if precision == "fp16" and name != "deepspeed":  # DeepSpeed scales with its own scaler, same settings
+        scaler = LossScaler(
+            train.loss_scale or train.initial_loss_scale, train.loss_scale_window, train.loss_scale is None
+        )
     if name == "single":
         from tuneforge.engines.single import SingleEngine
 
-        return SingleEngine(model, make_optimizer, info)
+        return SingleEngine(model, make_optimizer, info, scaler)
     if name == "ddp":
         from tuneforge.engines.ddp import DDPEngine
 
-        return DDPEngine(model, make_optimizer, info)
+        return DDPEngine(model, make_optimizer, info, scaler)
     # bf16 parameters pay off on GPUs; on CPU, autocast does the bf16 compute with fp32 weights.
     bf16_params = precision == "bf16" and info.device.type == "cuda"
     if name == "fsdp":
         from tuneforge.engines.fsdp import FSDPEngine
 
         return FSDPEngine(
-            model, make_optimizer, info, cpu_offload=parallel.cpu_offload == "all", bf16_params=bf16_params
+            model,
+            make_optimizer,
+            info,
+            cpu_offload=parallel.cpu_offload == "all",
+            bf16_params=bf16_params,
+            scaler=scaler,
         )
     from tuneforge.engines.deepspeed import DeepSpeedEngine
 

@@ -24,6 +24,11 @@ class Engine(Protocol):
     """`step` leaves weights and optimizer state untouched when the gradient norm is not finite."""
 
     @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale; None without fp16 loss scaling."""
+        ...
+
+    @property
     def model(self) -> torch.nn.Module:
         """The module to call for training forward passes (possibly a wrapper)."""
         ...
@@ -42,7 +47,8 @@ class Engine(Protocol):
         ...
 
     def backward(self, loss: torch.Tensor) -> None:
-        """`loss` is this rank's share of the global mean: its token-loss sum over the global target count."""
+        """`loss` is this rank's share of the global mean: its token-loss sum over the global target count.
+        Under fp16 the engine multiplies it by its loss scale and `step` divides the gradients again."""
         ...
 
     def step(self, lr: float, max_grad_norm: float) -> float:

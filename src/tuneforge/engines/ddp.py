@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.distributed import DistInfo, all_reduce_sum
+from tuneforge.engines.loss_scale import LossScaler
 from tuneforge.engines.single import SingleEngine, global_grad_norm
 from tuneforge.model.moe import find_moe_blocks
 
@@ -34,8 +35,9 @@ class DDPEngine(SingleEngine):
         model: torch.nn.Module,
         make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
         info: DistInfo,
+        scaler: LossScaler | None = None,
     ):
-        super().__init__(model, make_optimizer, info)
+        super().__init__(model, make_optimizer, info, scaler)
         self._plain = self._model
         self._model = DistributedDataParallel(
             self._plain,
@@ -59,7 +61,7 @@ class DDPEngine(SingleEngine):
 
     def backward(self, loss: torch.Tensor) -> None:
         # DDP averages gradients over ranks; the loss is already normalised by the global target count.
-        (loss * self.info.world_size).backward()
+        (self._scaled(loss) * self.info.world_size).backward()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # After the all-reduce every rank holds the same gradients, hence the same norm.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig, world_size: i
         "gradient_clipping": train.max_grad_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": bf16},
+        "fp16": fp16_config(train),
         # Our AdamW runs on the CPU-held state when offloading (DeepSpeed's CPU Adam is faster on GPU hosts).
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 1 << 30,
@@ -61,10 +63,21 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig, world_size: i
     return config
 
 
+def fp16_config(train: TrainConfig) -> dict[str, Any]:
+    if train.precision != "fp16":
+        return {"enabled": False}
+    return {
+        "enabled": True,
+        "loss_scale": train.loss_scale or 0,  # 0: dynamic
+        "initial_scale_power": round(math.log2(train.initial_loss_scale)),
+        "loss_scale_window": train.loss_scale_window,
+        "hysteresis": 1,  # halve at the first overflow, as the other engines do
+        "min_loss_scale": 1,
+    }
+
+
 class DeepSpeedEngine:
     name = "deepspeed"
-    skips_nonfinite = False
-    """DeepSpeed applies a bf16/fp32 step whatever the gradients (it skips overflow only with fp16 scaling)."""
 
     def __init__(
         self,
@@ -79,6 +92,8 @@ class DeepSpeedEngine:
 
         self.info = info
         self.sharded = parallel.zero_stage == 3
+        # DeepSpeed applies a bf16/fp32 step whatever the gradients; it skips overflowing steps only under fp16.
+        self.skips_nonfinite = train.precision == "fp16"
         blocks = find_moe_blocks(model)
         if self.sharded and blocks and parallel.moe_safety:
             deepspeed.utils.set_z3_leaf_modules(model, sorted({type(b.module) for b in blocks}, key=str))
@@ -110,10 +125,18 @@ class DeepSpeedEngine:
         # not be divided by the accumulation steps again.
         self._engine.backward(loss * self.info.world_size, scale_wrt_gas=False)
 
+    @property
+    def loss_scale(self) -> float | None:
+        if not self.skips_nonfinite:
+            return None
+        return float(self.optimizer.cur_scale)
+
     def step(self, lr: float, max_grad_norm: float) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._engine.step()  # clips to `gradient_clipping` from the generated config
+        if self.skips_nonfinite and getattr(self.optimizer, "overflow", False):
+            return float("inf")
         norm = self._engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 

@@ -23,7 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from tuneforge.distributed import DistInfo, all_reduce_sum
-from tuneforge.engines.single import apply_step, global_grad_norm
+from tuneforge.engines.loss_scale import LossScaler
+from tuneforge.engines.single import global_grad_norm, scaled_step
 from tuneforge.model.moe import find_moe_blocks
 from tuneforge.model.structure import decoder_layers
 
@@ -41,8 +42,10 @@ class FSDPEngine:
         cpu_offload: bool = False,
         bf16_params: bool = False,
         moe_safety: bool = True,
+        scaler: LossScaler | None = None,
     ):
         self.info = info
+        self.scaler = scaler
         mesh = init_device_mesh(info.device.type, (info.world_size,))
         options: dict = {"mesh": mesh}
         if bf16_params:
@@ -84,19 +87,24 @@ class FSDPEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         # The reduce-scatter averages over ranks; the loss is already normalised by the global target count.
-        (loss * self.info.world_size).backward()
+        scaled = self.scaler.scaled(loss) if self.scaler is not None else loss
+        (scaled * self.info.world_size).backward()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return global_grad_norm(list(self._model.parameters()), max_norm)
 
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.scale if self.scaler is not None else None
+
     def step(self, lr: float, max_grad_norm: float) -> float:
-        norm = self.clip_grad_norm(max_grad_norm)
-        apply_step(self.optimizer, norm, lr)
-        return norm
+        return scaled_step(self, self.optimizer, self._model.parameters(), lr, max_grad_norm)
 
     def save_state(self, directory: Path) -> None:
         model_state, optimizer_state = get_state_dict(self._model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / "fsdp"))
+        if self.scaler is not None and self.info.is_main:
+            self.scaler.save(directory)
 
     def load_state(self, directory: Path) -> None:
         model_state, optimizer_state = get_state_dict(self._model, self.optimizer)
@@ -105,6 +113,8 @@ class FSDPEngine:
         set_state_dict(
             self._model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
+        if self.scaler is not None:
+            self.scaler.load(directory)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: every rank must call it. Rank 0 gets the whole model on CPU, the others None."""

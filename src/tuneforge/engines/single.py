@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tuneforge.distributed import DistInfo
+from tuneforge.engines.loss_scale import LossScaler
 
 
 def global_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -34,6 +35,18 @@ def apply_step(optimizer: torch.optim.Optimizer, norm: float, lr: float) -> None
     optimizer.zero_grad(set_to_none=True)
 
 
+def scaled_step(engine, optimizer, parameters, lr: float, max_grad_norm: float) -> float:
+    """Unscale fp16 gradients (when scaling), clip, step unless not finite, then let the scaler adapt."""
+    scaler: LossScaler | None = engine.scaler
+    if scaler is not None:
+        scaler.unscale_(parameters)
+    norm = engine.clip_grad_norm(max_grad_norm)
+    apply_step(optimizer, norm, lr)
+    if scaler is not None:
+        scaler.update(math.isfinite(norm))
+    return norm
+
+
 class SingleEngine:
     name = "single"
     sharded = False
@@ -44,9 +57,11 @@ class SingleEngine:
         model: torch.nn.Module,
         make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
         info: DistInfo | None = None,
+        scaler: LossScaler | None = None,
     ):
         info = info or DistInfo(0, 1, 0, next(model.parameters()).device)
         self.info = info
+        self.scaler = scaler
         self._model = model.to(info.device)
         self.optimizer = make_optimizer(self._model)
 
@@ -64,8 +79,15 @@ class SingleEngine:
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.scale if self.scaler is not None else None
+
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self._scaled(loss).backward()
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scaled(loss) if self.scaler is not None else loss
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return global_grad_norm(list(self._model.parameters()), max_norm)
@@ -78,6 +100,8 @@ class SingleEngine:
         if self.info.is_main:
             trainable = {n: p.detach().cpu() for n, p in self.unwrapped.named_parameters() if p.requires_grad}
             torch.save({"model": trainable, "optimizer": self.optimizer.state_dict()}, directory / "engine.pt")
+            if self.scaler is not None:
+                self.scaler.save(directory)
 
     def load_state(self, directory: Path) -> None:
         state = torch.load(directory / "engine.pt", map_location=self.info.device, weights_only=True)
@@ -89,8 +113,8 @@ class SingleEngine:
             for name, tensor in state["model"].items():
                 parameters[name].copy_(tensor)
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load(directory)
 
     def step(self, lr: float, max_grad_norm: float) -> float:
-        norm = self.clip_grad_norm(max_grad_norm)
-        apply_step(self.optimizer, norm, lr)
-        return norm
+        return scaled_step(self, self.optimizer, self.unwrapped.parameters(), lr, max_grad_norm)

@@ -31,6 +31,7 @@ from tuneforge.train.loss import loss_sum
 from tuneforge.train.metrics import MetricsLog
 from tuneforge.train.progress import ProgressReporter
 from tuneforge.train.schedule import LRSchedule, resolve_warmup
+from tuneforge.train.sinks import open_sinks
 from tuneforge.train.state import TRAINING_STATE, ResumePoint, save_rng, write_state
 from tuneforge.train.telemetry import peak_flops, peak_memory_gb
 from tuneforge.train.validate import validation_loss
@@ -184,7 +185,15 @@ class Trainer:
         if start is not None and start.best_val_loss is not None:
             self.best_val_loss = start.best_val_loss
         metrics_path = self.work_dir / "metrics.jsonl"
-        metrics_log = MetricsLog(metrics_path, append=start_step > 0) if self.is_main else None
+        metrics_log = (
+            MetricsLog(
+                metrics_path,
+                append=start_step > 0,
+                sinks=open_sinks(cfg.log, self.work_dir, cfg.model_dump(mode="json"), start_step),
+            )
+            if self.is_main
+            else None
+        )
         history: list[dict] = []
         started = time.monotonic()
         try:
@@ -203,11 +212,13 @@ class Trainer:
                 self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * engine.info.world_size
                 self.watchdog.beat("optimizer")
                 lr = self.schedule(step)
+                loss_scale = engine.loss_scale  # the scale this step's gradients carry
                 grad_norm = engine.step(lr, cfg.train.max_grad_norm)
                 finite = math.isfinite(accumulated.loss) and math.isfinite(grad_norm)
-                if not finite:
+                overflow = not finite and self._fp16_overflow(step, accumulated.loss, loss_scale)
+                if not finite and not overflow:
                     self._nonfinite_step(step, accumulated.loss, grad_norm, micro_batches)
-                self.nonfinite_in_row = 0 if finite else self.nonfinite_in_row + 1
+                self.nonfinite_in_row = 0 if finite or overflow else self.nonfinite_in_row + 1
                 seconds = time.monotonic() - step_start
                 record = {
                     "step": step,
@@ -223,6 +234,10 @@ class Trainer:
                 }
                 if not finite:
                     record["skipped"] = engine.skips_nonfinite
+                if overflow:
+                    record["overflow"] = True
+                if loss_scale is not None:
+                    record["loss_scale"] = loss_scale
                 # Model FLOPs: 6 x active parameters per token (forward and backward), the attention term left out.
                 flops = 6 * self.active_parameters * accumulated.num_tokens / seconds
                 record["model_tflops"] = flops / 1e12
@@ -290,6 +305,19 @@ class Trainer:
             time.sleep(self.fault.seconds)
         if self.fault.due("kill", rank, step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _fp16_overflow(self, step: int, loss: float, loss_scale: float | None) -> bool:
+        """Under dynamic fp16 scaling, gradients that overflow at a scale above the minimum are the scaler's
+        normal search for its scale: skipped and counted, not an error. A non-finite loss, or an overflow at
+        the smallest or a fixed scale, is a real non-finite step."""
+        fixed = self.cfg.train.loss_scale is not None
+        if loss_scale is None or not math.isfinite(loss) or fixed or loss_scale <= 1.0:
+            return False
+        self.progress.log(
+            f"step {step}: fp16 gradients overflowed at loss scale {loss_scale:g}; the step was skipped and the "
+            f"scale lowered to {self.engine.loss_scale:g}"
+        )
+        return True
 
     def _nonfinite_step(self, step: int, loss: float, norm: float, micro_batches: list[MicroBatch]) -> None:
         """Report the step with the samples of the whole global batch; stop after too many in a row."""

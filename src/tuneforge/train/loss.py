@@ -11,10 +11,12 @@ from tuneforge.data.batching import MicroBatch
 from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.model.attention import model_inputs
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision in AUTOCAST_DTYPES:
+        return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[precision])
     return contextlib.nullcontext()
 
 

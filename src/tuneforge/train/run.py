@@ -28,6 +28,8 @@ from tuneforge.model.router_balance import attach_router_balance
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.loop import Trainer
 from tuneforge.train.optim import build_optimizer
+from tuneforge.train.plot import plot_at_end
+from tuneforge.train.sinks import require_packages
 from tuneforge.train.state import TRAINING_STATE, ResumePoint, check_compatible, find_resume, load_rng, read_state
 from tuneforge.train.telemetry import active_matmul_parameters
 from tuneforge.train.validate import validation_batches
@@ -48,6 +50,7 @@ def seed_everything(seed: int) -> None:
 def run_training(cfg: Config, work_dir: Path, resume: str | None = None) -> dict:
     """Train as configured; returns a summary (final loss, steps, accuracy if configured). `resume`: `auto`
     (the newest complete step checkpoint of the work dir, if any) or a checkpoint path."""
+    require_packages(cfg.log)  # a missing TensorBoard or W&B package is reported now, not after the model loads
     quiet_known_noise()
     info = init_distributed()
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -241,8 +244,11 @@ def _train(
         say(f"{result.label} accuracy: {result.accuracy:.3f}")
         say(f"({result.correct}/{result.total} exact matches; details in {work_dir / 'eval.json'})")
         summary["accuracy"] = result.accuracy
+    plot_line = plot_at_end(work_dir) if info.is_main and cfg.log.plot and history else None
     for line in closing_summary(history, work_dir, cfg):
         say(line)
+    if plot_line:
+        say(plot_line)
     barrier(info)
     return summary
 
@@ -264,9 +270,15 @@ def closing_summary(history: list[dict], work_dir: Path, cfg: Config) -> list[st
         lines[0] += (
             f", validation loss {validated[-1]['val_loss']:.4f} (best {best['val_loss']:.4f} at step {best['step']})"
         )
-    skipped = sum(1 for r in history if "skipped" in r)
+    overflows = sum(1 for r in history if r.get("overflow"))
+    skipped = sum(1 for r in history if "skipped" in r) - overflows
     if skipped:
         lines.append(f"non-finite steps: {skipped} (see the lines above)")
+    if overflows:
+        lines.append(
+            f"fp16 overflow steps skipped: {overflows} of {len(history)} (loss scale at the last step "
+            f"{last['loss_scale']:g})"
+        )
     checkpoints = work_dir / "checkpoints"
     final = checkpoints / "final"
     if cfg.checkpoint.save_final:

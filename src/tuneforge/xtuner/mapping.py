@@ -282,7 +282,8 @@ class Mapper:
             if dtype in (None, "float16"):
                 self.result.notes.append(
                     f"AmpOptimWrapper dtype {dtype or 'float16'} with loss_scale {scale!r} -> train.precision bf16 "
-                    "(bf16 autocast needs no loss scaling)"
+                    "(bf16 autocast needs no loss scaling; on GPUs without bf16 use train.precision=fp16, which "
+                    "scales dynamically)"
                 )
             train["precision"] = "bf16"
         self.leftovers(wrapper, "optim_wrapper")

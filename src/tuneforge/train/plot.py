@@ -1,0 +1,118 @@
+"""`plot.png`: training (and validation) loss and learning rate against the optimizer step, from `metrics.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tuneforge.errors import UserError
+
+PLOT_NAME = "plot.png"
+
+
+@dataclass
+class Metrics:
+    records: list[dict[str, Any]] = field(default_factory=list)
+    unreadable: list[int] = field(default_factory=list)  # line numbers that are not a JSON record
+
+
+def read_metrics(path: Path) -> Metrics:
+    """Every record of `path`. A line cut off by a crash is skipped but counted, so the caller can say so."""
+    metrics = Metrics()
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            metrics.unreadable.append(number)
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            metrics.records.append(record)
+        else:
+            metrics.unreadable.append(number)
+    return metrics
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    return [p[0] for p in points], [float(p[1]) for p in points]
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def plot_metrics(work_dir: Path, out: Path | None = None, warn: Callable[[str], None] = _warn) -> Path:
+    """Draw `<work_dir>/metrics.jsonl` into `out` (default `<work_dir>/plot.png`) and return its path. Lines
+    that are not records (one cut off by a crash) are left out, and `warn` is told how many."""
+    source = work_dir / "metrics.jsonl"
+    if not source.is_file():
+        raise UserError(f"{work_dir}: no metrics.jsonl here; give the work dir of a run (tuneforge train --work-dir)")
+    metrics = read_metrics(source)
+    if not metrics.records:
+        raise UserError(f"{source}: no step records to plot yet")
+    if metrics.unreadable:
+        warn(describe_unreadable(metrics, source))
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, and safe off the main thread
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, lr_ax) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=(2, 1))
+    try:
+        steps, losses = _series(metrics.records, "loss")
+        loss_ax.plot(steps, losses, label="train loss", linewidth=1)
+        val_steps, val_losses = _series(metrics.records, "val_loss")
+        if val_steps:
+            loss_ax.plot(val_steps, val_losses, "o-", label="validation loss", markersize=3)
+        skipped = [r["step"] for r in metrics.records if r.get("skipped")]
+        for step in skipped:  # non-finite steps have no loss point; mark where they were
+            loss_ax.axvline(step, color="red", alpha=0.3, linewidth=1)
+        loss_ax.set_ylabel("loss")
+        title = f"{work_dir.name}: {len(metrics.records)} steps"
+        if metrics.unreadable:
+            title += f" ({len(metrics.unreadable)} unreadable line(s) left out)"
+        loss_ax.set_title(title)
+        loss_ax.legend(loc="upper right")
+        loss_ax.grid(alpha=0.3)
+
+        lr_steps, lrs = _series(metrics.records, "lr")
+        lr_ax.plot(lr_steps, lrs, color="tab:green", linewidth=1)
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.set_xlabel("optimizer step")
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        lr_ax.grid(alpha=0.3)
+
+        fig.tight_layout()
+        out = out or work_dir / PLOT_NAME
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        fig.savefig(tmp, format="png", dpi=100)
+        tmp.replace(out)  # a viewer never sees half a file
+    finally:
+        plt.close(fig)
+    return out
+
+
+def describe_unreadable(metrics: Metrics, source: Path) -> str:
+    shown = ", ".join(map(str, metrics.unreadable[:5])) + (", ..." if len(metrics.unreadable) > 5 else "")
+    return f"{source}: {len(metrics.unreadable)} unreadable line(s) left out of the plot (line {shown})"
+
+
+def plot_at_end(work_dir: Path) -> str | None:
+    """Draw the plot after training and return the summary's line for it. A failure prints one warning and
+    returns None: the trained model matters more than its picture."""
+    try:
+        path = plot_metrics(work_dir)
+    except Exception as exc:
+        reason = (str(exc).splitlines() or [""])[0]
+        _warn(f"plot not written ({type(exc).__name__}: {reason}); retry with: tuneforge plot {work_dir}")
+        return None
+    return f"plot: {path} (redraw: tuneforge plot {work_dir})"
