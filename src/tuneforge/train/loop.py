@@ -44,6 +44,8 @@ class AccumulatedStep:
     """Mean loss per target token over the whole accumulated batch."""
     num_targets: int
     num_tokens: int
+    num_slots: int = 0
+    """Positions computed, padding included (rows x padded width), over all ranks."""
     router_aux_loss: float | None = None
     """Router balance loss, weighted by each micro-batch's share of target tokens (MoE models only)."""
 
@@ -86,10 +88,15 @@ def accumulate_gradients(
         loss_total += loss.detach().cpu()
         if on_micro_step is not None:
             on_micro_step(index)
-    loss, aux, tokens = engine.sum_across_ranks(
-        [float(loss_total), float(aux_total), sum(mb.num_tokens for mb in micro_batches)]
+    loss, aux, tokens, slots = engine.sum_across_ranks(
+        [
+            float(loss_total),
+            float(aux_total),
+            sum(mb.num_tokens for mb in micro_batches),
+            sum(mb.input_ids.numel() for mb in micro_batches),
+        ]
     )
-    return AccumulatedStep(loss, int(total_targets), int(tokens), aux if balance is not None else None)
+    return AccumulatedStep(loss, int(total_targets), int(tokens), int(slots), aux if balance is not None else None)
 
 
 def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
@@ -230,6 +237,7 @@ class Trainer:
                     "trained_tokens_per_s": accumulated.num_targets / seconds,
                     "tokens": accumulated.num_tokens,
                     "trained_tokens": accumulated.num_targets,
+                    "padding": 1 - accumulated.num_tokens / accumulated.num_slots,
                     "elapsed_s": time.monotonic() - started,
                 }
                 if not finite:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.model.attention import model_inputs
+from tuneforge.train.fused_loss import linear_cross_entropy_sum, plain_output_layer
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -22,12 +24,33 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 
 def loss_sum(model: torch.nn.Module, batch: MicroBatch, precision: str, plain: torch.nn.Module | None = None):
     """Sum of cross-entropy over the batch's target tokens (fp32 reduction). `model` may be an engine's
-    wrapper; `plain` is the Hugging Face model inside it (for its config)."""
+    wrapper; `plain` is the Hugging Face model inside it (for its config and output layer)."""
     plain = plain if plain is not None else model
     device = next(plain.parameters()).device
-    with autocast(precision, device):
-        logits = model(**model_inputs(plain, batch, device), use_cache=False).logits
     targets = batch.targets.to(device)
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    inputs = model_inputs(plain, batch, device)
+    head = fused_output_layer(plain)
+    with autocast(precision, device):
+        if head is None:
+            logits = model(**inputs, use_cache=False).logits
+            return F.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)),
+                targets.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+        # The forward goes through the engine's wrapper as usual (its hooks and gradient sync stay intact),
+        # computing logits for one position only; the loss takes the final hidden states from there.
+        outputs = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+        compute_dtype = AUTOCAST_DTYPES.get(precision, head.weight.dtype)
+    selected = targets != IGNORE_INDEX
+    return linear_cross_entropy_sum(outputs.hidden_states[-1][selected], head.weight, targets[selected], compute_dtype)
+
+
+def fused_output_layer(plain: torch.nn.Module) -> torch.nn.Linear | None:
+    """The output layer to fuse with the loss, or None where the model's own logits must be used: the
+    forward has no `logits_to_keep` (older remote code) or the layer is not a plain local `nn.Linear`."""
+    base = plain.get_base_model() if hasattr(plain, "get_base_model") else plain
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return None
+    return plain_output_layer(base)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# LoRA throughput on one GPU (H200/H100/A100), no network: tuneforge against plain transformers + PEFT.
+#
+#   benchmarks/gpu.sh [WHEEL_DIR]
+#
+# WHEEL_DIR holds the wheels to install offline (torch for the GPU's CUDA, transformers, peft, and their
+# dependencies; `pip download -d wheels torch transformers peft ...` on a machine with network). Without it
+# the current Python environment is used as it is. Prints the tables of benchmarks/gpu_lora.py for a
+# DeepSeek-V2-Lite-architecture model (random weights, real dimensions, 8 of its 27 layers) and a
+# Llama-3-8B-architecture model (all 32 layers); each model is cut off at its time limit, 7 minutes in all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS="${1:-}"
+PYTHON="${PYTHON:-python3}"
+if [[ -n "$WHEELS" ]]; then
+    "$PYTHON" -m venv .venv-gpu
+    .venv-gpu/bin/pip install -q --no-index --find-links "$WHEELS" torch transformers peft safetensors pydantic pyyaml rich matplotlib
+    .venv-gpu/bin/pip install -q --no-index --find-links "$WHEELS" --no-deps -e .
+    PYTHON=.venv-gpu/bin/python
+fi
+"$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'; print(torch.cuda.get_device_name(0))"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+timeout 270 "$PYTHON" benchmarks/gpu_lora.py --models deepseek_v2_lite --layers 8 --steps 6
+timeout 150 "$PYTHON" benchmarks/gpu_lora.py --models llama3_8b --steps 6

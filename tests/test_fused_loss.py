@@ -1,0 +1,101 @@
+"""The fused output-layer loss equals the standard logits path, in value and in every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tuneforge.config.schema import LoraSettings
+from tuneforge.data.batching import collate
+from tuneforge.data.templates import IGNORE_INDEX
+from tuneforge.model.adapters import apply_lora
+from tuneforge.train import fused_loss
+from tuneforge.train.fused_loss import linear_cross_entropy_sum
+from tuneforge.train.loss import fused_output_layer, loss_sum
+
+from conftest import chat, tiny_deepseek_v2, tiny_llama, tokenized
+
+
+def reference(model, batch) -> torch.Tensor:
+    """The standard path: the model's full logits, then cross-entropy."""
+    logits = model(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask
+    ).logits
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), batch.targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.fixture
+def batch(tokenizer):
+    records = [chat(f"question {i}", "answer " * (i + 1)) for i in range(5)]
+    data = tokenized(tokenizer, records)
+    return collate(data, [[i] for i in range(5)], tokenizer.pad_token_id, packed=False)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_deepseek_v2], ids=["llama", "deepseek_v2"])
+def test_fused_loss_and_gradients_equal_the_logits_path(tokenizer, batch, make, monkeypatch):
+    # Several chunks and a ragged last one.
+    monkeypatch.setattr(fused_loss, "CHUNK_ELEMENTS", 7 * len(tokenizer))
+    monkeypatch.setattr(fused_loss, "MIN_CHUNK_ROWS", 1)
+    model = make(tokenizer)
+    assert fused_output_layer(model) is model.lm_head
+    expected = reference(model, batch)
+    expected.backward()
+    expected_grads = gradients(model)
+    fused = loss_sum(model, batch, "fp32")
+    fused.backward()
+    fused_grads = gradients(model)
+    assert float(fused) == pytest.approx(float(expected), rel=1e-6)
+    assert fused_grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_frozen_output_layer_gets_no_gradient_and_lora_still_trains(tokenizer, batch):
+    model, _ = apply_lora(tiny_llama(tokenizer), LoraSettings(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"]))
+    assert fused_output_layer(model) is not None and not fused_output_layer(model).weight.requires_grad
+    expected = reference(model, batch)
+    expected.backward()
+    expected_grads = gradients(model)
+    loss_sum(model, batch, "fp32").backward()
+    fused_grads = gradients(model)
+    assert fused_grads.keys() == expected_grads.keys() and all("lora_" in name for name in fused_grads)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_wrapped_output_layer_takes_the_standard_path(tokenizer):
+    settings = LoraSettings(r=4, alpha=8, targets=["q_proj"], modules_to_save=["lm_head"])
+    model, _ = apply_lora(tiny_llama(tokenizer), settings)
+    assert fused_output_layer(model) is None
+
+
+def test_the_function_scales_its_gradients_by_the_incoming_one():
+    torch.manual_seed(0)
+    hidden = torch.randn(9, 6, requires_grad=True)
+    weight = torch.randn(11, 6, requires_grad=True)
+    targets = torch.randint(0, 11, (9,))
+    (3.0 * linear_cross_entropy_sum(hidden, weight, targets, torch.float32)).backward()
+    fused = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    (3.0 * F.cross_entropy(hidden @ weight.T, targets, reduction="sum")).backward()
+    torch.testing.assert_close(fused[0], hidden.grad)
+    torch.testing.assert_close(fused[1], weight.grad)
+
+
+def test_confidently_wrong_rows_keep_an_exact_loss():
+    """A target whose probability underflows fp32 still gets its finite, exact loss and gradient."""
+    hidden = torch.tensor([[40.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    weight = torch.tensor([[5.0, 0.0], [-5.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    targets = torch.tensor([1, 2])
+    loss = linear_cross_entropy_sum(hidden, weight, targets, torch.float32)
+    expected = F.cross_entropy(hidden @ weight.T, targets, reduction="sum")
+    assert float(loss) == pytest.approx(float(expected)) and float(loss) > 399
