@@ -82,12 +82,10 @@ def linear_cross_entropy_sum(
 
 def plain_output_layer(model: nn.Module) -> nn.Linear | None:
     """The model's output layer when the fused loss can use its weight directly: a bias-free `nn.Linear` whose
-    weight is a whole local tensor. Adapted (LoRA), wrapped, quantized or sharded (FSDP2, ZeRO-3) output
-    layers return None and take the standard path through the model's logits."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        return None
+    weight is whole after the forward. Adapted (LoRA), wrapped or quantized output layers, and ZeRO-3's
+    partitioned ones, return None and take the standard path through the model's logits. Under FSDP2 the
+    output layer belongs to the root unit, which keeps its parameters unsharded from the forward until the
+    end of backward (FSDP2's default for the root): its gradient then joins the root's reduce-scatter."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear or head.bias is not None:
         return None

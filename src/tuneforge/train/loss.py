@@ -7,6 +7,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.templates import IGNORE_INDEX
@@ -43,8 +44,11 @@ def loss_sum(model: torch.nn.Module, batch: MicroBatch, precision: str, plain: t
         # computing logits for one position only; the loss takes the final hidden states from there.
         outputs = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
         compute_dtype = AUTOCAST_DTYPES.get(precision, head.weight.dtype)
+    weight = head.weight  # read after the forward: FSDP2 has gathered the root's parameters by now
+    if isinstance(weight, DTensor):
+        raise RuntimeError("the output layer's weight is still sharded after the forward; the fused loss needs it")
     selected = targets != IGNORE_INDEX
-    return linear_cross_entropy_sum(outputs.hidden_states[-1][selected], head.weight, targets[selected], compute_dtype)
+    return linear_cross_entropy_sum(outputs.hidden_states[-1][selected], weight, targets[selected], compute_dtype)
 
 
 def fused_output_layer(plain: torch.nn.Module) -> torch.nn.Linear | None:
