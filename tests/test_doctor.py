@@ -88,6 +88,16 @@ def test_expert_adapters_with_parameter_offload_warn_with_a_cost(tokenizer):
     assert "crosses PCIe" in check.detail
 
 
+def test_dropout_on_stacked_expert_adapters_fails_before_peft_refuses_it(tokenizer):
+    model = {**DEEPSEEK, "lora": {"r": 8, "dropout": 0.1, "experts": True}}
+    cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
+    check = verdicts(cfg, tokenizer)["LoRA dropout on experts"]
+    assert check.status == FAIL and check.fix == "set model.lora.dropout=0, or model.lora.experts=false"
+    model["lora"] = {"r": 8, "dropout": 0.0, "experts": True}
+    cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
+    assert verdicts(cfg, tokenizer)["LoRA dropout on experts"].status == PASS
+
+
 def test_too_few_samples_for_the_ranks_warn(tokenizer):
     check = verdicts(config(train={"micro_batch_size": 4}), tokenizer, world_size=8, samples=20)["samples per step"]
     assert check.status == WARN and "20 training samples for 8 ranks x micro-batch 4" in check.detail

@@ -136,13 +136,28 @@ def _parser() -> argparse.ArgumentParser:
         "doctor",
         help="check a config, its model and this machine for known-bad set-ups (also run by train)",
         epilog="examples:\n  tuneforge doctor my.yaml --nproc-per-node 8\n"
-        "  tuneforge doctor my.yaml parallel.engine=fsdp",
+        "  tuneforge doctor my.yaml parallel.engine=fsdp\n"
+        "  tuneforge doctor my.yaml --nproc-per-node 8 --gpu h100 --model-config configs/models/NAME.config.json\n\n"
+        "With --gpu (or on a GPU machine) it also estimates memory per GPU and time per step from the model's\n"
+        "shapes, with the assumptions listed: a sizing estimate, not a measurement.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     doctor.add_argument("config", type=Path, help="YAML config file")
     doctor.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     doctor.add_argument("--nproc-per-node", type=int, default=1, help="processes per node it will run with")
     doctor.add_argument("--nnodes", type=int, default=1, help="nodes it will run with")
+    doctor.add_argument(
+        "--gpu",
+        choices=["h100", "h200", "a100-80gb", "a100-40gb"],  # estimate.ACCELERATORS, not imported: a light parser
+        help="estimate memory and time for this GPU (default: this machine's GPU, if any)",
+    )
+    doctor.add_argument(
+        "--model-config",
+        type=Path,
+        metavar="PATH",
+        help="the model's config.json (or its directory): shapes without downloading; the tokenizer and data "
+        "are then read only if they are on this machine",
+    )
 
     diagnose = commands.add_parser(
         "diagnose",
@@ -229,16 +244,37 @@ def _doctor(args: argparse.Namespace) -> int:
     from tuneforge.data.pipeline import prepare_data
     from tuneforge.data.templates import get_template
     from tuneforge.distributed import DistInfo
-    from tuneforge.doctor import FAIL, format_checks, run_checks
+    from tuneforge.doctor import FAIL, WARN, Check, format_checks, run_checks
     from tuneforge.engines import choose_engine
+    from tuneforge.estimate import ACCELERATORS
     from tuneforge.model.build import build_tokenizer
 
     world_size = args.nproc_per_node * args.nnodes
     engine = choose_engine(config.parallel.engine, DistInfo(0, world_size, 0, torch_device()))
-    tokenizer = build_tokenizer(config.model)
-    data = prepare_data(config.data, tokenizer, get_template(config.data.template), 0, 1)
-    checks = run_checks(config, engine, world_size, tokenizer, len(data.train.data))
+    skipped = []  # sizing a job for another machine: its tokenizer and data may not be here
+    tokenizer, num_samples = None, None
+    try:
+        tokenizer = build_tokenizer(config.model, local_files_only=args.model_config is not None)
+    except OSError:
+        source = config.model.tokenizer or config.model.path
+        skipped.append(Check("tokenizer", WARN, f"{source} is not on this machine: template and data not checked"))
+    if tokenizer is not None:
+        try:
+            data = prepare_data(config.data, tokenizer, get_template(config.data.template), 0, 1)
+            num_samples = len(data.train.data)
+        except UserError as exc:
+            if args.model_config is None:
+                raise
+            skipped.append(Check("training data", WARN, f"not read: {exc}", "put the data in place before training"))
+    accelerator = ACCELERATORS[args.gpu] if args.gpu else None
+    checks = run_checks(
+        config, engine, world_size, tokenizer, num_samples, args.model_config, accelerator, args.nproc_per_node
+    )
+    checks = [*skipped, *checks]
     print(format_checks(checks))
+    for check in checks:
+        if check.report:
+            print(check.report)
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 

@@ -7,6 +7,7 @@ checks at start and stops on a failure.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from tuneforge.config.schema import Config
 from tuneforge.data.conversation import Conversation, Turn
 from tuneforge.data.templates import TOKENIZER, get_template
+from tuneforge.errors import UserError
+from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_estimate, local_accelerator
 from tuneforge.model.moe import find_moe_blocks
 from tuneforge.model.quantize import quantized_linears
 
@@ -30,14 +34,38 @@ class Check:
     status: str
     detail: str
     fix: str = ""
+    report: str = ""
+    """Longer text `tuneforge doctor` prints below the verdicts (the estimate table); train does not."""
 
 
-def model_skeleton(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> nn.Module | None:
-    """The model's modules with meta tensors (shapes only), or None when its config cannot be read."""
+def read_model_config(path: Path):
+    """A model's architecture config from a local `config.json` (or a directory holding one): the shapes
+    without the weights, for models that cannot be downloaded here."""
+    try:
+        if path.is_dir():
+            return AutoConfig.from_pretrained(path)
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--model-config: cannot read {path} ({exc})") from None
+    model_type = values.pop("model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"--model-config: {path} has model_type {model_type!r}, which transformers does not implement")
+    return AutoConfig.for_model(model_type, **values)
+
+
+def model_skeleton(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase | None, model_config: Path | None = None
+) -> nn.Module | None:
+    """The model's modules with meta tensors (shapes only), or None when its config cannot be read.
+    `model_config` (a local config.json) replaces reading the config from `model.path`."""
     from tuneforge.model.build import _fresh_config
 
     try:
-        if cfg.model.architecture is not None:
+        if model_config is not None:
+            config = read_model_config(model_config)
+        elif cfg.model.architecture is not None:
+            if tokenizer is None:
+                return None
             config = _fresh_config(cfg.model, tokenizer)
         else:
             config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
@@ -66,8 +94,8 @@ def check_moe_sharding(cfg: Config, engine: str, skeleton: nn.Module | None) -> 
             "different experts issue different collectives and hang",
             "set parallel.moe_safety=true",
         )
-    how = "ZeRO-3 leaf modules" if engine == "deepspeed" else "inside their decoder layer's FSDP unit"
-    return Check(name, PASS, f"{len(blocks)} MoE blocks ({blocks[0].layout} experts) gathered whole as {how}")
+    how = "as ZeRO-3 leaf modules" if engine == "deepspeed" else "inside their decoder layer's FSDP unit"
+    return Check(name, PASS, f"{len(blocks)} MoE blocks ({blocks[0].layout} experts) gathered whole {how}")
 
 
 def check_qlora_storage(cfg: Config, engine: str) -> Check:
@@ -110,18 +138,19 @@ def check_quantized_share(cfg: Config, skeleton: nn.Module | None) -> Check:
     return Check(name, PASS, detail)
 
 
-def check_remote_code(cfg: Config) -> Check:
+def check_remote_code(cfg: Config, model_config: Path | None = None) -> Check:
     name = "remote code"
     if not cfg.model.trust_remote_code or cfg.model.path is None:
         return Check(name, PASS, "not requested")
     try:
-        config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=False)
-    except (OSError, ValueError):
+        config = read_model_config(model_config) if model_config else None
+        model_type = (config or AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=False)).model_type
+    except (OSError, ValueError, UserError):
         return Check(name, PASS, "the architecture exists only as remote code")
     return Check(
         name,
         WARN,
-        f"trust_remote_code is set but transformers implements {config.model_type} natively; the native code is "
+        f"trust_remote_code is set but transformers implements {model_type} natively; the native code is "
         "used (DeepSeek's remote MoE skips idle experts, the pattern behind the ZeRO-3 hang)",
         "drop model.trust_remote_code",
     )
@@ -151,6 +180,23 @@ def check_expert_adapters(cfg: Config, skeleton: nn.Module | None) -> Check:
             "set model.lora.experts=false, or parallel.cpu_offload=optimizer",
         )
     return Check(name, PASS, detail)
+
+
+def check_expert_dropout(cfg: Config, skeleton: nn.Module | None) -> Check:
+    name = "LoRA dropout on experts"
+    lora = cfg.model.lora
+    if lora is None or not lora.experts or lora.dropout == 0 or skeleton is None:
+        return Check(name, PASS, "no dropout on stacked expert adapters")
+    stacked = [b for b in find_moe_blocks(skeleton) if b.layout == "stacked"]
+    if not stacked:
+        return Check(name, PASS, "experts are modules: their adapters take dropout")
+    return Check(
+        name,
+        FAIL,
+        f"model.lora.dropout={lora.dropout:g} with adapters on {len(stacked)} MoE blocks of stacked experts: PEFT "
+        "adapts stacked expert weights as W + B@A, which cannot apply dropout to the input, and refuses",
+        "set model.lora.dropout=0, or model.lora.experts=false",
+    )
 
 
 def check_dtype(cfg: Config, skeleton: nn.Module | None) -> Check:
@@ -198,9 +244,11 @@ def check_packing(cfg: Config) -> Check:
     return Check(name, PASS, f"{implementation}: samples isolated by {how}")
 
 
-def check_template(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Check:
+def check_template(cfg: Config, tokenizer: PreTrainedTokenizerBase | None) -> Check:
     name = "chat template"
     spec = cfg.data.template
+    if tokenizer is None:
+        return Check(name, PASS, "tokenizer not read")
     own = getattr(tokenizer, "chat_template", None)
     if spec == TOKENIZER or not own:
         return Check(name, PASS, "the tokenizer's own" if spec == TOKENIZER else "the model has no chat template")
@@ -239,25 +287,112 @@ def check_environment(environ: dict[str, str] | None = None) -> Check:
     return Check(name, PASS, "no variable names absent hardware")
 
 
+def _memory_fix(cfg: Config, engine: str, est: Estimate) -> str:
+    """The change that removes the largest part of the excess."""
+    capacity = est.accelerator.memory_gib * GIB
+    if est.load_gpu > capacity >= est.gpu_bytes:
+        if cfg.model.quantization is not None:
+            return (
+                "each rank loads the 4-bit model onto its GPU with the unquantized rest in fp32 before sharding: "
+                "drop model.quantization and let ZeRO-3/FSDP shard 16-bit weights"
+            )
+        return "set parallel.cpu_offload=all: the whole model then stays in host RAM until it is sharded"
+    biggest = max(est.rows, key=lambda row: row.gpu).label
+    if biggest.startswith(("activations", "logits", "expert adapters")):
+        if not cfg.train.gradient_checkpointing:
+            return "set train.gradient_checkpointing=true, or lower train.micro_batch_size (raise accumulation)"
+        return "lower train.micro_batch_size (raise train.gradient_accumulation to keep the batch) or data.max_length"
+    if engine not in ("fsdp", "deepspeed") or (engine == "deepspeed" and cfg.parallel.zero_stage < 3):
+        return "shard weights, gradients and optimizer state: parallel.engine=fsdp (or deepspeed, zero_stage 3)"
+    if cfg.parallel.cpu_offload != "all":
+        return "set parallel.cpu_offload=all (slower: weights cross PCIe every pass), or use more GPUs"
+    return "use more GPUs, or GPUs with more memory"
+
+
+def check_estimate(
+    cfg: Config,
+    engine: str,
+    world_size: int,
+    skeleton: nn.Module | None,
+    accelerator: Accelerator | None,
+    gpus_per_node: int | None = None,
+    num_samples: int | None = None,
+) -> list[Check]:
+    """Memory per GPU against the accelerator's, and the step time with what dominates it."""
+    if accelerator is None or skeleton is None:
+        why = (
+            "no GPU here (tuneforge doctor --gpu h100 estimates for one)"
+            if accelerator is None
+            else ("model structure not readable (tuneforge doctor --model-config CONFIG.json gives it)")
+        )
+        return [Check("memory estimate", PASS, f"skipped: {why}")]
+    try:
+        est = estimate(cfg, skeleton, engine, world_size, accelerator, gpus_per_node, num_samples)
+    except UserError as exc:  # a config problem that training reports on its own
+        return [Check("memory estimate", PASS, f"skipped: {exc}")]
+    report = format_estimate(est)
+    detail = f"{est.gpu_bytes / GIB:.1f} GiB of {accelerator.memory_gib:g} per GPU ({accelerator.name})"
+    if est.load_gpu:
+        detail += f", {est.load_gpu / GIB:.1f} while loading"
+    if max(est.host_bytes, est.load_host) >= 0.5 * GIB:
+        loading = " while loading" if est.load_host > est.host_bytes else ""
+        detail += f"; host RAM {max(est.host_bytes, est.load_host) / GIB:.0f} GiB per node{loading}"
+    if not est.fits:
+        memory = Check("memory estimate", WARN, detail + ": does not fit", _memory_fix(cfg, engine, est), report)
+    else:
+        memory = Check("memory estimate", PASS, detail, report=report)
+    if est.step_s is None:
+        return [memory]
+    times = dict((what, seconds) for what, seconds, _ in est.times)
+    detail = f"{est.step_s:.1f} s per step, {est.tokens_per_step / est.step_s:,.0f} tokens/s"
+    host = times.get("PCIe host transfers", 0.0) + times.get("CPU AdamW", 0.0)
+    deltas = times.get("expert adapter deltas", 0.0)
+    fixes = []
+    if host > times["compute"]:
+        detail += f"; {host:.1f} s of it on the host (offload)"
+        alternative = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"cpu_offload": "none"})})
+        lean = estimate(alternative, skeleton, engine, world_size, accelerator, gpus_per_node, num_samples)
+        if lean.fits:
+            fixes.append(
+                f"parallel.cpu_offload=none fits too ({lean.gpu_bytes / GIB:.1f} GiB per GPU, "
+                f"{lean.load_gpu / GIB:.1f} while loading)"
+            )
+    if deltas > times["compute"]:
+        detail += f"; {deltas:.1f} s forming expert adapter weights"
+        fixes.append("model.lora.experts=false (adapters on attention, dense MLP and shared experts)")
+    status = WARN if fixes else PASS
+    return [memory, Check("time estimate", status, detail, "; ".join(fixes))]
+
+
 def run_checks(
     cfg: Config,
     engine: str,
     world_size: int,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     num_samples: int | None = None,
+    model_config: Path | None = None,
+    accelerator: Accelerator | None = None,
+    gpus_per_node: int | None = None,
 ) -> list[Check]:
-    skeleton = model_skeleton(cfg, tokenizer)
+    """`accelerator` None: this machine's GPU, if any (the estimate is skipped without one)."""
+    skeleton = model_skeleton(cfg, tokenizer, model_config)
+    if accelerator is None:
+        accelerator = local_accelerator()
+    if gpus_per_node is None:
+        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return [
         check_moe_sharding(cfg, engine, skeleton),
         check_qlora_storage(cfg, engine),
         check_quantized_share(cfg, skeleton),
-        check_remote_code(cfg),
+        check_remote_code(cfg, model_config),
         check_expert_adapters(cfg, skeleton),
+        check_expert_dropout(cfg, skeleton),
         check_dtype(cfg, skeleton),
         check_samples(cfg, world_size, num_samples),
         check_packing(cfg),
         check_template(cfg, tokenizer),
         check_environment(),
+        *check_estimate(cfg, engine, world_size, skeleton, accelerator, gpus_per_node, num_samples),
     ]
 
 

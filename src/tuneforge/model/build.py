@@ -19,12 +19,15 @@ from tuneforge.model.quantize import bitsandbytes_config, check_cpu_kernel_sizes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+def build_tokenizer(cfg: ModelConfig, local_files_only: bool = False) -> PreTrainedTokenizerBase:
+    """`local_files_only`: never ask the hub (a missing tokenizer then fails at once instead of retrying)."""
     source = cfg.tokenizer or cfg.path
     if source == "bytes":
         tokenizer = build_byte_tokenizer()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=cfg.trust_remote_code, local_files_only=local_files_only
+        )
     if tokenizer.eos_token is None:
         raise UserError(f"model.tokenizer: the tokenizer at {source} has no EOS token; set one in its config")
     if tokenizer.pad_token is None:

@@ -1,0 +1,171 @@
+"""The memory and time estimate: how it responds to sharding, offload, quantization, checkpointing and ranks.
+Skeletons are built on the meta device from the real model configs in configs/models/ (no weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tuneforge.cli import main
+from tuneforge.config import load_config
+from tuneforge.config.schema import Config
+from tuneforge.doctor import PASS, WARN, check_estimate, read_model_config
+from tuneforge.estimate import ACCELERATORS, estimate, kbit_bytes
+from tuneforge.model.quantize import quantized_linears
+
+from conftest import REPO
+
+MODELS = REPO / "configs" / "models"
+H100 = ACCELERATORS["h100"]
+USER_JOB = REPO / "configs" / "deepseek_v2_lite_qlora_zero3_offload_8gpu.yaml"
+RECOMMENDED = REPO / "configs" / "deepseek_v2_lite_lora_fsdp_8gpu.yaml"
+
+
+def skeleton(name: str):
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(read_model_config(MODELS / f"{name}.config.json"))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return skeleton("llama-3-8b")
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    return skeleton("deepseek-v2-lite-chat")
+
+
+def config(**sections) -> Config:
+    model = {"path": "some/model", "dtype": "bfloat16", **sections.pop("model", {})}
+    return Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}, **sections})
+
+
+def row(est, prefix: str):
+    return next(r for r in est.rows if r.label.startswith(prefix))
+
+
+LORA = {"lora": {"r": 16}}
+
+
+def test_zero3_divides_the_sharded_weights_by_the_ranks(llama):
+    cfg = config(model=LORA, parallel={"engine": "deepspeed", "zero_stage": 3})
+    one = estimate(cfg, llama, "deepspeed", 1, H100)
+    eight = estimate(cfg, llama, "deepspeed", 8, H100)
+    assert row(eight, "base weights").gpu == pytest.approx(row(one, "base weights").gpu / 8)
+    assert row(eight, "optimizer").gpu == pytest.approx(row(one, "optimizer").gpu / 8)
+    # ZeRO-2 keeps whole weights on every rank, sharding only gradients and optimizer state.
+    zero2 = estimate(config(model=LORA, parallel={"engine": "deepspeed", "zero_stage": 2}), llama, "deepspeed", 8, H100)
+    assert row(zero2, "base weights").gpu == pytest.approx(row(one, "base weights").gpu)
+    assert row(zero2, "gradients").gpu == pytest.approx(row(one, "gradients").gpu / 8)
+
+
+def test_parameter_offload_moves_weights_from_gpu_to_host(llama):
+    kept = estimate(config(model=LORA, parallel={"engine": "deepspeed"}), llama, "deepspeed", 8, H100)
+    offloaded = estimate(
+        config(model=LORA, parallel={"engine": "deepspeed", "cpu_offload": "all"}), llama, "deepspeed", 8, H100
+    )
+    on_gpu, on_host = row(kept, "base weights"), row(offloaded, "base weights")
+    assert on_gpu.host == 0 and on_host.gpu == 0
+    assert on_host.host == pytest.approx(on_gpu.gpu * 8)  # 8 ranks' shards in one node's RAM
+    assert offloaded.gpu_bytes < kept.gpu_bytes and offloaded.host_bytes > kept.host_bytes
+    # Offload trades memory for PCIe traffic and CPU work in every step.
+    assert offloaded.step_s > kept.step_s
+    assert {"PCIe host transfers", "CPU AdamW"} <= {what for what, _, _ in offloaded.times}
+
+
+def test_4bit_linears_take_about_a_quarter_of_bf16(llama):
+    """Under DeepSpeed every unquantized parameter is 16-bit, so the difference is the quantized layers."""
+    quantization = {"bits": 4, "double_quant": True}
+    plain = estimate(config(model=LORA, parallel={"engine": "deepspeed"}), llama, "deepspeed", 1, H100)
+    qlora = estimate(
+        config(model={**LORA, "quantization": quantization}, parallel={"engine": "deepspeed"}),
+        llama,
+        "deepspeed",
+        1,
+        H100,
+    )
+    settings = config(model={**LORA, "quantization": quantization}).model.quantization
+    linears = sum(module.weight.numel() for _, module in quantized_linears(llama, settings))
+    saved = row(plain, "base weights").gpu - row(qlora, "base weights").gpu
+    four_bit = 2 * linears - saved
+    assert 0.25 < four_bit / (2 * linears) < 0.27  # 4 bits + 8-bit constants per 64 weights
+    assert kbit_bytes(4, double_quant=False) > kbit_bytes(4, double_quant=True) > 0.5
+
+
+def test_gradient_checkpointing_trades_activation_memory_for_compute(llama):
+    cfg = config(model=LORA, train={"micro_batch_size": 4})
+    stored = estimate(cfg, llama, "single", 1, H100)
+    recomputed = estimate(
+        config(model=LORA, train={"micro_batch_size": 4, "gradient_checkpointing": True}), llama, "single", 1, H100
+    )
+    assert row(recomputed, "activations").gpu < row(stored, "activations").gpu / 5
+    assert recomputed.step_s > stored.step_s
+
+
+def test_run_time_scales_inversely_with_ranks_without_offload(llama):
+    cfg = config(model=LORA)
+    one = estimate(cfg, llama, "single", 1, H100, num_samples=8000)
+    eight = estimate(cfg, llama, "ddp", 8, H100, num_samples=8000)
+    assert one.steps == 8 * eight.steps
+    assert one.steps * one.step_s / (eight.steps * eight.step_s) == pytest.approx(8, rel=0.05)
+    # Same work per rank and step: the step time stays, the step holds 8 times the tokens.
+    assert eight.tokens_per_step == 8 * one.tokens_per_step
+
+
+def test_routed_experts_count_by_their_top_k_share(deepseek):
+    est = estimate(config(model=LORA), deepseek, "single", 1, H100)
+    flops = next(how for what, _, how in est.times if what == "compute")
+    active = float(flops.split(" GFLOP")[0]) * 1e9 / 4  # LoRA without checkpointing: 4 FLOPs per active weight
+    total = sum(p.numel() for p in deepseek.parameters())
+    assert 0.1 < active / total < 0.2  # DeepSeek-V2-Lite: about 2.4B of 15.7B parameters per token
+
+
+def test_adapters_on_stacked_experts_cost_their_full_weights(deepseek):
+    lean = estimate(config(model=LORA, parallel={"engine": "fsdp"}), deepseek, "fsdp", 8, H100)
+    experts = estimate(
+        config(model={"lora": {"r": 16, "dropout": 0.0, "experts": True}}, parallel={"engine": "fsdp"}),
+        deepseek,
+        "fsdp",
+        8,
+        H100,
+    )
+    assert not any(r.label.startswith("expert adapters") for r in lean.rows)
+    assert row(experts, "expert adapters").gpu > 26 * 0.5e9  # W + B@A of every MoE layer kept for backward
+    assert "expert adapter deltas" in {what for what, _, _ in experts.times}
+    assert experts.step_s > lean.step_s
+
+
+def test_a_job_that_does_not_fit_warns_with_a_fix(llama):
+    full = config(train={"micro_batch_size": 1})
+    memory = check_estimate(full, "single", 1, llama, ACCELERATORS["a100-40gb"])[0]
+    assert memory.status == WARN and "does not fit" in memory.detail
+    assert "parallel.engine=fsdp" in memory.fix
+    lora = check_estimate(config(model=LORA), "single", 1, llama, H100)
+    assert [c.status for c in lora] == [PASS, PASS] and "a sizing estimate" in lora[0].report
+    skipped = check_estimate(config(model=LORA), "single", 1, llama, None)
+    assert skipped[0].status == PASS and "skipped" in skipped[0].detail
+
+
+@pytest.mark.parametrize("path", [USER_JOB, RECOMMENDED], ids=["as-wanted", "recommended"])
+def test_the_8_gpu_configs_validate_and_the_doctor_estimates_them(path, capsys):
+    cfg = load_config(path, [])
+    assert (
+        cfg.model.path == "deepseek-ai/DeepSeek-V2-Lite-Chat"
+        and cfg.train.gradient_accumulation * (cfg.train.micro_batch_size) == 16
+    )
+    model_config = str(MODELS / "deepseek-v2-lite-chat.config.json")
+    code = main(["doctor", str(path), "--nproc-per-node", "8", "--gpu", "h100", "--model-config", model_config])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "estimate for 8 x H100 80GB" in out and "assumptions:" in out
+    assert "PASS  memory estimate" in out  # both fit on 80 GB GPUs
+
+
+def test_the_recommended_config_is_faster_than_the_original(deepseek):
+    user, ours = load_config(USER_JOB, []), load_config(RECOMMENDED, [])
+    slow = estimate(user, deepseek, "deepspeed", 8, H100)
+    fast = estimate(ours, deepseek, "fsdp", 8, H100)
+    assert fast.fits and slow.fits
+    assert fast.tokens_per_step / fast.step_s > 3 * slow.tokens_per_step / slow.step_s
