@@ -151,6 +151,12 @@ class Mapper:
         lora = self.take(model, "lora")
         if isinstance(lora, Call):
             out["lora"] = self.map_lora(lora)
+        checkpointing = self.take(model, "use_activation_checkpointing")
+        self.section("train")["gradient_checkpointing"] = checkpointing is None or bool(checkpointing)
+        if checkpointing is None:
+            self.result.notes.append(
+                "use_activation_checkpointing not set -> train.gradient_checkpointing: true (xtuner's default)"
+            )
         if self.take(model, "use_varlen_attn"):
             self.result.notes.append("use_varlen_attn: packed samples are isolated in attention on every backend")
         self.leftovers(model, "model")
@@ -189,6 +195,17 @@ class Mapper:
                 out[target] = value
         if (targets := self.take(call, "target_modules")) is not None:
             out["targets"] = targets if targets != "all-linear" else "all-linear"
+        else:
+            # xtuner then adapts every linear layer but the output head, the routed experts of MoE models included.
+            out["targets"], out["experts"] = "all-linear", True
+            note = "LoraConfig without target_modules -> model.lora.targets: all-linear, experts: true (as xtuner)"
+            if out.get("dropout"):
+                note += (
+                    f"; lora_dropout {out['dropout']} -> 0: PEFT takes no dropout on routed experts stored as stacked "
+                    "weights (transformers 5); set model.lora.experts=false to keep the dropout on the other layers"
+                )
+                out["dropout"] = 0.0
+            self.result.notes.append(note)
         bias = self.take(call, "bias")
         if bias not in (None, "none"):
             self.unmapped(call.lines["bias"], f"lora.bias = {bias!r}", "tuneforge trains no biases with LoRA")
