@@ -86,6 +86,14 @@ def build(config, device: torch.device):
     return model
 
 
+def use_tuneforge_attention(model, device: torch.device) -> None:
+    """What tuneforge's model builder does for `sdpa` on a GPU: per-sample SDPA for packed rows."""
+    from tuneforge.model import packed_attention
+
+    if device.type == "cuda":
+        model.set_attn_implementation(packed_attention.register())
+
+
 def tuneforge_batches(data: TokenizedData, per_step: int, max_length: int, pad: int) -> list[MicroBatch]:
     """Each step's samples packed into rows of max_length: one micro-batch per step."""
     batches = []
@@ -184,6 +192,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             if contender == "tuneforge":
+                use_tuneforge_attention(model.get_base_model(), device)
                 batches = tuneforge_batches(data, per_step, max_length, config.pad_token_id or 0)
                 steps = run_tuneforge(model, batches, device, warmup)
             else:

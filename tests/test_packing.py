@@ -1,4 +1,4 @@
-"""Packed rows give every sample exactly the logits and loss it has alone, on SDPA and eager."""
+"""Packed rows give every sample exactly the logits and loss it has alone, on SDPA, per-sample SDPA and eager."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tuneforge.data.batching import collate
+from tuneforge.model import packed_attention
 from tuneforge.model.attention import model_inputs
 from tuneforge.train.loop import accumulate_gradients
 
@@ -15,6 +16,7 @@ RECORDS = [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("
 
 
 def build(kind: str, tokenizer, implementation: str):
+    packed_attention.register()
     if kind == "llama":
         model = tiny_llama(tokenizer, seed=1)
         model.config._attn_implementation = implementation
@@ -28,7 +30,7 @@ def logits_of(model, batch) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v2"])
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", packed_attention.NAME])
 def test_packed_row_equals_unpacked_samples(tokenizer, kind, implementation):
     data = tokenized(tokenizer, RECORDS)
     model = build(kind, tokenizer, implementation).eval()
@@ -63,9 +65,10 @@ def test_position_ids_alone_do_not_isolate_samples_on_sdpa(tokenizer):
     assert (leaky[first : first + alone.shape[0]] - alone).abs().max() > 1e-3
 
 
-def test_packed_rows_with_padding_stay_finite(tokenizer):
+@pytest.mark.parametrize("implementation", ["sdpa", packed_attention.NAME])
+def test_packed_rows_with_padding_stay_finite(tokenizer, implementation):
     data = tokenized(tokenizer, RECORDS)
-    model = build("llama", tokenizer, "sdpa")
+    model = build("llama", tokenizer, implementation)
     batch = collate(data, [[0, 2], [1]], tokenizer.pad_token_id, packed=True)
     assert batch.attention_mask.sum() < batch.attention_mask.numel()  # the second row is padded
     result = accumulate_gradients(single_engine(model), [batch], "fp32")

@@ -241,6 +241,8 @@ def check_packing(cfg: Config) -> Check:
             "set model.attn_implementation=sdpa",
         )
     how = "varlen kernels from position ids" if "flash" in implementation else "a block-diagonal causal mask"
+    if implementation == "sdpa":
+        how += " (on GPUs: one SDPA call per sample)"
     return Check(name, PASS, f"{implementation}: samples isolated by {how}")
 
 

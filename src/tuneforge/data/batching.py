@@ -68,6 +68,9 @@ def collate(data: TokenizedData, rows: list[list[int]], pad_id: int, packed: boo
             sequence_ids[r, cursor : cursor + n] = s
             cursor += n
             origins.append(data.origins[index])
+        # Padding continues as one run of positions: attention split where positions restart treats it as
+        # one stretch (never attended by a sample) rather than one piece per padding token.
+        position_ids[r, cursor:] = torch.arange(width - cursor)
     attention_mask = (sequence_ids >= 0).long()
     return MicroBatch(input_ids, attention_mask, targets, position_ids, sequence_ids, packed, origins)
 

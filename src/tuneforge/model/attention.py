@@ -1,9 +1,11 @@
 """Model inputs that keep attention inside each sample, for the model's attention implementation.
 
 Unpacked batches need only the 2D padding mask. Packed rows need isolation: flash-attention
-derives per-sample boundaries from position ids (varlen kernels); SDPA and eager get an
-explicit block-diagonal causal mask, which `transformers` uses as given. Position ids alone are
-not enough on SDPA: without an explicit mask the packed samples attend to each other.
+derives per-sample boundaries from position ids (varlen kernels), and so does tuneforge's
+per-sample SDPA (`packed_attention`), which models on the attention interface get for `sdpa`;
+plain SDPA and eager get an explicit block-diagonal causal mask, which `transformers` uses as
+given. Position ids alone are not enough on plain SDPA: without an explicit mask the packed
+samples attend to each other.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tuneforge.data.batching import MicroBatch
+from tuneforge.model.packed_attention import NAME as PACKED_SDPA
 
 
 def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
@@ -28,8 +31,8 @@ def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device
         inputs["attention_mask"] = batch.attention_mask.to(device)
         return inputs
     implementation = getattr(model.config, "_attn_implementation", "eager") or "eager"
-    if "flash" in implementation:
-        return inputs  # varlen kernels split the rows where position ids restart
+    if "flash" in implementation or implementation == PACKED_SDPA:
+        return inputs  # both split the rows where position ids restart
     mask = block_causal_mask(batch.sequence_ids.to(device))
     if implementation == "sdpa":
         inputs["attention_mask"] = mask

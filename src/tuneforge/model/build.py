@@ -14,6 +14,7 @@ from tuneforge.config.schema import ModelConfig
 from tuneforge.data.byte_tokenizer import build_byte_tokenizer
 from tuneforge.distributed import DistInfo, barrier
 from tuneforge.errors import UserError
+from tuneforge.model import packed_attention
 from tuneforge.model.quantize import bitsandbytes_config, check_cpu_kernel_sizes, keep_training_layout, stored_numel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -140,6 +141,10 @@ def build_model(
                 model = _load(str(base_dir), cfg, info.device, sharded_engine)
     else:
         model = _load(cfg.path, cfg, info.device, sharded_engine)
+    if cfg.attn_implementation == "sdpa" and info.device.type == "cuda" and model._can_set_attn_implementation():
+        # On GPUs a masked SDPA cannot use the flash kernel: call it per sample instead. Not on CPU, where the
+        # masked kernel measured 3-7% faster than the per-sample calls (45M Llama, rows of 1,024).
+        model.set_attn_implementation(packed_attention.register())
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise UserError(
             f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but the model embeds only "
