@@ -3,7 +3,7 @@
     .venv/bin/pip install trl            # benchmark-only dependency
     .venv/bin/python benchmarks/compare_trl.py [--models dense,moe] [--steps 6] [--precision fp32]
 
-One invocation builds a workspace (a randomly initialised Llama-architecture model of about 45M
+One invocation builds a workspace (a randomly initialised Llama-architecture model of about 52M
 parameters and a small DeepseekV2 MoE, saved once and loaded by every contender; a synthetic
 single-turn chat corpus whose lengths follow a log-normal with median about 300 tokens and a tail
 to max_length 1024), measures this CPU's fp32 matmul peak, then runs each contender in its own

@@ -9,7 +9,7 @@ cache, a single query) go to the library's own SDPA unchanged. This is the docum
 (`AttentionInterface.register`), not a change to any model's code.
 
 Used on GPUs only, where a masked SDPA falls back from the flash kernel to one that computes the whole
-square. On CPU the masked kernel is as fast or faster (measured 3-7% faster on the 45M Llama benchmark):
+square. On CPU the masked kernel is as fast or faster (measured 3-7% faster on the 52M Llama benchmark):
 the per-sample calls there are exact but not worth it. Not yet measured on a GPU.
 """
 
