@@ -73,4 +73,17 @@ def test_packed_rows_with_padding_stay_finite(tokenizer, implementation):
     assert batch.attention_mask.sum() < batch.attention_mask.numel()  # the second row is padded
     result = accumulate_gradients(single_engine(model), [batch], "fp32")
     assert torch.isfinite(torch.tensor(result.loss))
+    # The step counts what it computed, padding included: metrics.jsonl's `padding` is 1 - tokens / slots.
+    assert result.num_slots == batch.input_ids.numel() and result.num_tokens == int(batch.attention_mask.sum())
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_padding_is_one_span_for_position_based_splitting(tokenizer):
+    """Per-sample attention and flash varlen split rows where positions restart: padding must be one stretch."""
+    data = tokenized(tokenizer, RECORDS)
+    batch = collate(data, [[0, 2], [1]], tokenizer.pad_token_id, packed=True)
+    lengths = [int(n) for n in data.lengths]
+    width = batch.input_ids.size(1)
+    spans = packed_attention.sample_spans(batch.position_ids)
+    assert spans[0] == [(0, lengths[0]), (lengths[0], lengths[0] + lengths[2]), (lengths[0] + lengths[2], width)]
+    assert spans[1] == [(0, lengths[1])]
