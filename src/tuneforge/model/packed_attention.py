@@ -9,8 +9,9 @@ cache, a single query) go to the library's own SDPA unchanged. This is the docum
 (`AttentionInterface.register`), not a change to any model's code.
 
 Used on GPUs only, where a masked SDPA falls back from the flash kernel to one that computes the whole
-square. On CPU the masked kernel is as fast or faster (measured 3-7% faster on the 52M Llama benchmark):
-the per-sample calls there are exact but not worth it. Not yet measured on a GPU.
+square. On CPU the masked kernel is about as fast (the per-sample calls measured within 2% of it on the
+52M Llama benchmark; 3-7% slower before their outputs were concatenated): exact there, but not worth a
+switch. Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ def packed_sdpa_forward(
     if not whole or not getattr(module, "is_causal", True):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     groups = query.size(1) // key.size(1)
-    batch, heads, _, _ = query.shape
-    output = query.new_empty(batch, length, heads, value.size(-1))
     dropout = dropout if module.training else 0.0
+    rows = []
     for row, spans in enumerate(sample_spans(position_ids)):
-        for start, end in spans:
-            part = F.scaled_dot_product_attention(
+        # Concatenated rather than written into a preallocated output: its backward is a cheap split.
+        parts = [
+            F.scaled_dot_product_attention(
                 query[row : row + 1, :, start:end],
                 key[row : row + 1, :, start:end],
                 value[row : row + 1, :, start:end],
@@ -68,8 +69,10 @@ def packed_sdpa_forward(
                 scale=scaling,
                 enable_gqa=groups > 1,
             )
-            output[row, start:end] = part[0].transpose(0, 1)
-    return output, None
+            for start, end in spans
+        ]
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
 
 
 def register() -> str:
