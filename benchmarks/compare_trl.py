@@ -13,6 +13,7 @@ process (so peak RSS is its own):
   trl-wrapped   SFTTrainer packing_strategy="wrapped": rows of 1024, samples attend to each other
   trl-bfd       (only with --bfd) TRL's default packing, padding-free: FlashAttention territory
   tuneforge     packed rows of 1024 with attention kept within each sample
+  tuneforge-compile  (only with --compile) the same with train.compile=true
 
 Every contender trains the same number of optimizer steps with 8 rows (or samples) per step, a
 constant learning rate, AdamW, clipping at 1.0, and a loss on the assistant reply only (TRL's
@@ -169,10 +170,10 @@ def matmul_peak(dtype: torch.dtype, seconds: float = 3.0) -> float:
     best = 0.0
     for size in (1024, 2048, 3072):
         a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        a @ b
+        out = a @ b
         runs, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds / 3:
-            a @ b
+            torch.matmul(a, b, out=out)  # the kernel's rate, not the allocator's: no fresh output pages
             runs += 1
         best = max(best, 2 * size**3 * runs / (time.perf_counter() - start))
     return best
@@ -268,11 +269,13 @@ def run_trl(root: Path, model: str, strategy: str, steps: int, lr: float, precis
     return summarize(batches[:steps], list(durations), losses)
 
 
-def run_tuneforge(root: Path, model: str, steps: int, lr: float, precision: str, max_length: int) -> dict:
+def run_tuneforge(
+    root: Path, model: str, steps: int, lr: float, precision: str, max_length: int, compiled: bool = False
+) -> dict:
     from tuneforge.config.schema import Config
     from tuneforge.train.run import run_training
 
-    work_dir = root / f"out-{model}-tuneforge"
+    work_dir = root / f"out-{model}-tuneforge{'-compile' if compiled else ''}"
     cfg = Config.model_validate(
         {
             "model": {"path": str(root / model), "dtype": "float32"},
@@ -293,6 +296,7 @@ def run_tuneforge(root: Path, model: str, steps: int, lr: float, precision: str,
                 "max_grad_norm": 1.0,
                 "precision": precision,
                 "seed": 0,
+                "compile": compiled,
             },
             "checkpoint": {"every_steps": 0, "save_final": False},
             "log": {"progress": "lines", "plot": False},
@@ -327,8 +331,11 @@ def summarize(batches: list[tuple[int, int, int]], durations: list[float], losse
 def child(arguments: argparse.Namespace) -> None:
     torch.manual_seed(0)
     root = Path(arguments.workspace)
-    if arguments.contender == "tuneforge":
-        result = run_tuneforge(root, arguments.model, arguments.steps, arguments.lr, arguments.precision, 1024)
+    if arguments.contender.startswith("tuneforge"):
+        compiled = arguments.contender == "tuneforge-compile"
+        result = run_tuneforge(
+            root, arguments.model, arguments.steps, arguments.lr, arguments.precision, 1024, compiled
+        )
     else:
         strategy = arguments.contender.removeprefix("trl-")
         result = run_trl(root, arguments.model, strategy, arguments.steps, arguments.lr, arguments.precision, 1024)
@@ -343,6 +350,7 @@ def main() -> None:
     parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--bfd", action="store_true", help="also run TRL's padding-free bfd packing")
+    parser.add_argument("--compile", action="store_true", help="also run tuneforge with train.compile=true")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -357,6 +365,7 @@ def main() -> None:
 
     models = arguments.models.split(",")
     contenders = arguments.contenders.split(",") + (["trl-bfd"] if arguments.bfd else [])
+    contenders += ["tuneforge-compile"] if arguments.compile else []
     root = Path(arguments.workspace or tempfile.mkdtemp(prefix="compare_trl_"))
     root.mkdir(parents=True, exist_ok=True)
     if not all((root / m / "config.json").exists() for m in models):
@@ -409,25 +418,26 @@ def flops_shape(config, directory: Path) -> tuple[int, int]:
 
 def print_table(results: dict[str, dict]) -> None:
     header = (
-        f"{'contender':<13}{'trained tok/s':>14}{'all tok/s':>11}{'padding':>9}{'peak RSS':>10}"
+        f"{'contender':<18}{'trained tok/s':>14}{'all tok/s':>11}{'padding':>9}{'peak RSS':>10}"
         f"{'final loss':>11}{'MFU':>7}{'wall':>7}"
     )
     print(header)
     for name, r in results.items():
         print(
-            f"{name:<13}{r['trained_tokens_per_s']:>14,.0f}{r['tokens_per_s']:>11,.0f}{r['padding']:>9.1%}"
+            f"{name:<18}{r['trained_tokens_per_s']:>14,.0f}{r['tokens_per_s']:>11,.0f}{r['padding']:>9.1%}"
             f"{r['peak_rss_gb']:>9.2f}G{r['final_loss']:>11.4f}{r['mfu']:>7.1%}{r['wall_s']:>6.0f}s"
         )
-    if "tuneforge" not in results:
-        return
-    ours = results["tuneforge"]
-    for name, r in results.items():
-        if name == "tuneforge":
+    for mine in ("tuneforge", "tuneforge-compile"):
+        if mine not in results:
             continue
-        print(
-            f"tuneforge / {name}: trained tokens/s {ours['trained_tokens_per_s'] / r['trained_tokens_per_s']:.2f}x, "
-            f"peak RSS {ours['peak_rss_gb'] / r['peak_rss_gb']:.2f}x"
-        )
+        ours = results[mine]
+        for name, r in results.items():
+            if name.startswith("tuneforge"):
+                continue
+            print(
+                f"{mine} / {name}: trained tokens/s {ours['trained_tokens_per_s'] / r['trained_tokens_per_s']:.2f}x, "
+                f"peak RSS {ours['peak_rss_gb'] / r['peak_rss_gb']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

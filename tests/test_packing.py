@@ -87,3 +87,75 @@ def test_padding_is_one_span_for_position_based_splitting(tokenizer):
     spans = packed_attention.sample_spans(batch.position_ids)
     assert spans[0] == [(0, lengths[0]), (lengths[0], lengths[0] + lengths[2]), (lengths[0] + lengths[2], width)]
     assert spans[1] == [(0, lengths[1])]
+
+
+@pytest.mark.parametrize("kv_heads,value_dim", [(4, 16), (2, 24)])
+def test_gathered_sample_batches_equal_the_block_diagonal_mask(kv_heads, value_dim):
+    """Many samples of mixed lengths, grouped into padded batches across rows: outputs and all three
+    gradients equal one masked SDPA over the rows, with grouped keys and a value width of its own."""
+    torch.manual_seed(0)
+    lengths = [[7, 30, 1, 12, 14], [33, 25, 6], [72]]
+    width = 72
+    position_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), 1, width, width, dtype=torch.bool)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for n in [*row_lengths, width - sum(row_lengths)]:  # the last run is padding, possibly empty
+            position_ids[row, start : start + n] = torch.arange(n)
+            mask[row, 0, start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            start += n
+    plan = packed_attention.plan_gather(position_ids)
+    assert 1 < len(plan.batches) < 10  # grouped by length: fewer calls than samples
+    assert plan.inverse.unique().numel() == position_ids.numel()  # every token has its own output slot
+
+    shapes = [(3, 4, width, 16), (3, kv_heads, width, 16), (3, kv_heads, width, value_dim)]
+    inputs = [torch.randn(shape, requires_grad=True) for shape in shapes]
+    module = torch.nn.Module()
+    module.is_causal, module.training = True, True
+    ours, _ = packed_attention.packed_sdpa_forward(module, *inputs, None, position_ids=position_ids)
+    groups = 4 // kv_heads
+    q, k, v = inputs
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask
+    ).transpose(1, 2)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    weights = torch.randn_like(expected)
+    ours_grads = torch.autograd.grad((ours * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    for mine, theirs in zip(ours_grads, expected_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_is_kept_within_each_packed_sample(tokenizer):
+    """Mistral-style sliding window (query - key < window): a packed row gives every sample exactly the
+    logits it has alone under `transformers`' own SDPA, for samples longer and shorter than the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    packed_attention.register()
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=50,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = MistralForCausalLM(config).eval()
+    data = tokenized(tokenizer, RECORDS)
+    assert min(data.lengths) < 50 < max(data.lengths)
+    model.config._attn_implementation = packed_attention.NAME
+    packed_logits = logits_of(model, collate(data, [[0, 1, 2]], tokenizer.pad_token_id, packed=True))[0]
+    model.config._attn_implementation = "sdpa"
+    cursor, alone = 0, []
+    for index in range(3):
+        alone.append(logits_of(model, rows_batch(data, [index], tokenizer.pad_token_id))[0])
+        n = alone[-1].shape[0]
+        torch.testing.assert_close(packed_logits[cursor : cursor + n], alone[-1], atol=1e-5, rtol=1e-5)
+        cursor += n
+    # The window matters for the long sample: without it, its logits differ (so the test can tell).
+    model.config.sliding_window = None
+    unwindowed = logits_of(model, rows_batch(data, [1], tokenizer.pad_token_id))[0]
+    assert (unwindowed - alone[1]).abs().max() > 1e-4

@@ -240,9 +240,10 @@ def check_packing(cfg: Config) -> Check:
             "packing relies on flash-attention's varlen kernels here, which need a GPU",
             "set model.attn_implementation=sdpa",
         )
-    how = "varlen kernels from position ids" if "flash" in implementation else "a block-diagonal causal mask"
-    if implementation == "sdpa":
-        how += " (on GPUs: one SDPA call per sample)"
+    how = {
+        "sdpa": "causal SDPA calls per sample, samples split where positions restart and batched by length",
+        "eager": "a block-diagonal causal mask",
+    }.get(implementation, "varlen kernels from position ids")
     return Check(name, PASS, f"{implementation}: samples isolated by {how}")
 
 

@@ -276,6 +276,11 @@ class TrainConfig(Section):
     """Recompute each decoder layer's activations in backward instead of storing them: about a third more
     compute for much less activation memory. Turn it on when activations are what does not fit."""
 
+    compile: bool = False
+    """Compile each decoder layer's norms and gated MLP with `torch.compile` (fused element-wise work; attention
+    and experts stay eager). Costs a compile at start (about half a minute on CPU), needs a C++ compiler on
+    CPU or triton on GPUs, and works with parallel.engine single or ddp."""
+
     seed: int = 42
     """Seed for model init, shuffling and dropout: the same seed gives the same run on CPU."""
 

@@ -1,11 +1,11 @@
 """Model inputs that keep attention inside each sample, for the model's attention implementation.
 
-Unpacked batches need only the 2D padding mask. Packed rows need isolation: flash-attention
-derives per-sample boundaries from position ids (varlen kernels), and so does tuneforge's
-per-sample SDPA (`packed_attention`), which models on the attention interface get for `sdpa`;
-plain SDPA and eager get an explicit block-diagonal causal mask, which `transformers` uses as
-given. Position ids alone are not enough on plain SDPA: without an explicit mask the packed
-samples attend to each other.
+Unpacked batches on plain SDPA and eager need only the 2D padding mask. Packed rows need isolation:
+flash-attention derives per-sample boundaries from position ids (varlen kernels), and so does tuneforge's
+SDPA (`packed_attention`, what models on the attention interface get for `sdpa`), which needs no mask at all;
+plain SDPA (models that cannot switch) and eager get an explicit block-diagonal causal mask, which
+`transformers` uses as given. Position ids alone are not enough on plain SDPA: without an explicit mask the
+packed samples attend to each other.
 """
 
 from __future__ import annotations
@@ -27,12 +27,16 @@ def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
 
 def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
     inputs = {"input_ids": batch.input_ids.to(device), "position_ids": batch.position_ids.to(device)}
+    implementation = getattr(model.config, "_attn_implementation", "eager") or "eager"
+    if implementation == PACKED_SDPA:
+        # Rows split where positions restart; right padding after a sample is invisible to its causal
+        # queries, so no padding mask is needed either (and none of batch x length x length is built).
+        return inputs
     if not batch.packed:
         inputs["attention_mask"] = batch.attention_mask.to(device)
         return inputs
-    implementation = getattr(model.config, "_attn_implementation", "eager") or "eager"
-    if "flash" in implementation or implementation == PACKED_SDPA:
-        return inputs  # both split the rows where position ids restart
+    if "flash" in implementation:
+        return inputs  # varlen kernels split the rows where position ids restart
     mask = block_causal_mask(batch.sequence_ids.to(device))
     if implementation == "sdpa":
         inputs["attention_mask"] = mask

@@ -22,8 +22,10 @@ from tuneforge.distributed import DistInfo, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
 from tuneforge.engines import Engine, build_engine, choose_engine
 from tuneforge.errors import UserError
+from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import build_model, build_tokenizer, count_parameters
+from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.model.router_balance import attach_router_balance
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.loop import Trainer
@@ -158,6 +160,8 @@ def _train(
                 "doctor: " + "; ".join(f"{c.name}: {c.fix}" for c in failed) + " (watchdog.doctor=warn to go on)"
             )
 
+    if cfg.train.compile:
+        check_compiler(info.device, engine_name)
     watchdog.beat("model", training=False)
     sharded_engine = engine_name == "fsdp" or (engine_name == "deepspeed" and cfg.parallel.zero_stage == 3)
     model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", sharded_engine)
@@ -165,6 +169,8 @@ def _train(
     model, notes = make_trainable(model, cfg.model, cfg.train.gradient_checkpointing)
     for note in notes:
         say(note)
+    if cfg.train.compile:
+        say(f"compile: {compile_elementwise(model)} norm and MLP modules compiled (the first step compiles them)")
     trainable, total = count_parameters(model)
     say(
         f"model: {architecture}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable "
@@ -217,7 +223,11 @@ def _train(
             f"resumed from {resume_dir}: step {start.step} of {trainer.total_steps}, epoch {start.epoch}, "
             f"{start.samples_consumed} samples consumed"
         )
-    history = trainer.run(start)
+    # On CPU the steps' large activations are reused from the heap rather than mapped afresh each time.
+    with freed_host_memory_kept(info.device.type == "cpu") as kept:
+        if kept:
+            say("host memory: freed blocks kept for reuse during training (glibc malloc, CPU)")
+        history = trainer.run(start)
     summary: dict = {"steps": len(history), "final_loss": history[-1]["loss"] if history else None}
     if history and "val_loss" in history[-1]:
         summary["val_loss"] = history[-1]["val_loss"]
