@@ -25,7 +25,9 @@ vocabulary's does.
 MFU: model FLOPs per trained step are 6 x matmul parameters (MoE: those active per token) x tokens
 plus causal attention, 6 x 2 x layers x attention width x the mean attended context per token, the
 context being each sample for padding and tuneforge and each 1024-token row for wrapped packing (from
-the corpus' length distribution). Divided by the fp32 (or bf16) matmul peak measured here.
+the corpus' length distribution). Divided by the fp32 (or bf16) matmul peak, measured once at the start
+for reference and again in each contender's process right after its steps: MFU is against the latter,
+since a shared VM's speed drifts over the minutes a run takes.
 """
 
 from __future__ import annotations
@@ -339,6 +341,9 @@ def child(arguments: argparse.Namespace) -> None:
     else:
         strategy = arguments.contender.removeprefix("trl-")
         result = run_trl(root, arguments.model, strategy, arguments.steps, arguments.lr, arguments.precision, 1024)
+    # This VM's speed drifts with its neighbours: the peak is measured again right after the steps, in the
+    # same process, and each contender's MFU is against its own (after peak RSS was read).
+    result["peak_flops"] = matmul_peak(torch.bfloat16 if arguments.precision == "bf16" else torch.float32)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -373,7 +378,7 @@ def main() -> None:
     dtype = torch.bfloat16 if arguments.precision == "bf16" else torch.float32
     peak = matmul_peak(dtype)
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"measured {arguments.precision} matmul peak: {peak / 1e9:.1f} GFLOP/s")
+    print(f"measured {arguments.precision} matmul peak: {peak / 1e9:.1f} GFLOP/s (again after each contender below)")
     from transformers import AutoConfig
 
     for model in models:
@@ -395,7 +400,7 @@ def main() -> None:
             result = json.loads(lines[-1].removeprefix("RESULT "))
             context = context_per_token(root, 1024, wrapped=contender == "trl-wrapped")
             per_token = 6 * matmul + 12 * config.num_hidden_layers * attention_width * context
-            result["mfu"] = per_token * result["tokens_per_s"] / peak
+            result["mfu"] = per_token * result["tokens_per_s"] / result["peak_flops"]
             result["wall_s"] = time.perf_counter() - started
             results[contender] = result
         print_table(results)
@@ -419,13 +424,14 @@ def flops_shape(config, directory: Path) -> tuple[int, int]:
 def print_table(results: dict[str, dict]) -> None:
     header = (
         f"{'contender':<18}{'trained tok/s':>14}{'all tok/s':>11}{'padding':>9}{'peak RSS':>10}"
-        f"{'final loss':>11}{'MFU':>7}{'wall':>7}"
+        f"{'final loss':>11}{'peak GF/s':>10}{'MFU':>7}{'wall':>7}"
     )
     print(header)
     for name, r in results.items():
         print(
             f"{name:<18}{r['trained_tokens_per_s']:>14,.0f}{r['tokens_per_s']:>11,.0f}{r['padding']:>9.1%}"
-            f"{r['peak_rss_gb']:>9.2f}G{r['final_loss']:>11.4f}{r['mfu']:>7.1%}{r['wall_s']:>6.0f}s"
+            f"{r['peak_rss_gb']:>9.2f}G{r['final_loss']:>11.4f}{r['peak_flops'] / 1e9:>10.1f}{r['mfu']:>7.1%}"
+            f"{r['wall_s']:>6.0f}s"
         )
     for mine in ("tuneforge", "tuneforge-compile"):
         if mine not in results:
