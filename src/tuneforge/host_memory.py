@@ -4,8 +4,8 @@ glibc's malloc serves every allocation above its mmap threshold (at most 32 MiB)
 returns it with `munmap` when freed. A CPU training step allocates and frees activations of tens of
 megabytes many times over, so each one comes back as new pages the kernel must fault in and zero: on the
 52M Llama benchmark a third of the process' CPU time was spent in the kernel. Serving large blocks from the
-heap and not trimming it lets the steps reuse warm pages: 515 -> 603 trained tokens/s there, with a lower
-peak RSS (`benchmarks/compare_trl.py`, see RESULTS.md).
+heap and not trimming it lets the steps reuse warm pages: 441 -> 548 trained tokens/s there back to back, with
+a similar peak RSS (`benchmarks/compare_trl.py`, see RESULTS.md).
 
 Scoped to the training loop: the heap is trimmed when it starts (data preparation's and loading's peaks go
 back) and glibc's defaults are restored when it ends. Freed memory stays with the process in between; glibc

@@ -27,16 +27,12 @@ def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
 
 def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
     inputs = {"input_ids": batch.input_ids.to(device), "position_ids": batch.position_ids.to(device)}
-    implementation = getattr(model.config, "_attn_implementation", "eager") or "eager"
-    if implementation == PACKED_SDPA:
-        # Rows split where positions restart; right padding after a sample is invisible to its causal
-        # queries, so no padding mask is needed either (and none of batch x length x length is built).
-        return inputs
     if not batch.packed:
         inputs["attention_mask"] = batch.attention_mask.to(device)
         return inputs
-    if "flash" in implementation:
-        return inputs  # varlen kernels split the rows where position ids restart
+    implementation = getattr(model.config, "_attn_implementation", "eager") or "eager"
+    if "flash" in implementation or implementation == PACKED_SDPA:
+        return inputs  # both split the rows where position ids restart, with no mask built
     mask = block_causal_mask(batch.sequence_ids.to(device))
     if implementation == "sdpa":
         inputs["attention_mask"] = mask

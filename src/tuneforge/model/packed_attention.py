@@ -10,9 +10,9 @@ more. Batched calls matter on CPU: one call per sample (batch of one) ran no fas
 kernel, the gathered batches twice as fast (one layer, 8 rows of three ~340-token samples, forward and
 backward: 0.14 s against 0.29 s masked and 0.30 s per sample).
 
-Calls that are not whole training sequences (generation with a cache, a single query) go to the
-library's own SDPA unchanged. This is the documented extension point (`AttentionInterface.register`),
-not a change to any model's code.
+Calls that are not whole sequences (generation with a cache, a single query) or that come with a padding
+mask (unpacked rows: one sample each, nothing to split) go to the library's own SDPA unchanged. This is the
+documented extension point (`AttentionInterface.register`), not a change to any model's code.
 """
 
 from __future__ import annotations
@@ -131,7 +131,9 @@ def packed_sdpa_forward(
     whole = position_ids is not None and length > 1 and key.size(2) == length and position_ids.size(-1) == length
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    if not whole or not causal or kwargs.get("s_aux") is not None:
+    # A padding mask (unpacked rows, left-padded generation) goes to the library's SDPA as it is: with
+    # one sample per row there is nothing to split, and one call over the rows beats many small ones.
+    if not whole or not causal or attention_mask is not None or kwargs.get("s_aux") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     position_ids = position_ids.expand(batch, length) if position_ids.size(0) == 1 else position_ids
     window = kwargs.get("sliding_window")
