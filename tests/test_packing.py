@@ -159,3 +159,29 @@ def test_sliding_window_is_kept_within_each_packed_sample(tokenizer):
     model.config.sliding_window = None
     unwindowed = logits_of(model, rows_batch(data, [1], tokenizer.pad_token_id))[0]
     assert (unwindowed - alone[1]).abs().max() > 1e-4
+
+
+def test_packed_rows_take_the_gathered_path_with_no_mask_and_unpacked_rows_keep_theirs(tokenizer, monkeypatch):
+    """Packed rows reach the attention with no batch x L x L mask and are split by positions; unpacked rows
+    carry their padding mask to the library's SDPA (one call, nothing to split)."""
+    data = tokenized(tokenizer, RECORDS)
+    model = build("llama", tokenizer, packed_attention.NAME).eval()
+    plans, masks = [], []
+    real_plan, real_forward = packed_attention.plan_gather, packed_attention.packed_sdpa_forward
+
+    def spy_forward(module, query, key, value, attention_mask, *args, **kwargs):
+        masks.append(attention_mask)
+        return real_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(packed_attention, "plan_gather", lambda ids: plans.append(ids) or real_plan(ids))
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(packed_attention.NAME, spy_forward)
+    try:
+        logits_of(model, collate(data, [[0, 1, 2]], tokenizer.pad_token_id, packed=True))
+        assert len(plans) == 1 and masks and all(mask is None for mask in masks)  # planned once per forward
+        plans.clear(), masks.clear()
+        logits_of(model, rows_batch(data, [0, 1], tokenizer.pad_token_id))
+        assert not plans and masks and all(mask is not None for mask in masks)
+    finally:
+        packed_attention.register()

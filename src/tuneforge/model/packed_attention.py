@@ -90,14 +90,15 @@ def plan_gather(position_ids: torch.Tensor, ratio: float = BUCKET_RATIO) -> Gath
 _last_plan: tuple[torch.Tensor, int, GatherPlan] | None = None
 
 
-def _plan_for(position_ids: torch.Tensor) -> GatherPlan:
+def _plan_for(position_ids: torch.Tensor, batch: int) -> GatherPlan:
     """Every layer of one forward gets the same `position_ids` tensor: plan once, not once per layer. The
     cache holds the tensor itself (so its identity cannot be reused) and its version (no in-place edits)."""
     global _last_plan
     cached = _last_plan
     if cached is not None and cached[0] is position_ids and cached[1] == position_ids._version:
         return cached[2]
-    plan = plan_gather(position_ids)
+    # Positions shared by all rows (batch 1 in the model's own default) are expanded for planning only.
+    plan = plan_gather(position_ids.expand(batch, -1))
     _last_plan = (position_ids, position_ids._version, plan)
     return plan
 
@@ -135,9 +136,8 @@ def packed_sdpa_forward(
     # one sample per row there is nothing to split, and one call over the rows beats many small ones.
     if not whole or not causal or attention_mask is not None or kwargs.get("s_aux") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    position_ids = position_ids.expand(batch, length) if position_ids.size(0) == 1 else position_ids
     window = kwargs.get("sliding_window")
-    plan = _plan_for(position_ids)
+    plan = _plan_for(position_ids, batch)
     flat = [_flat_tokens(states) for states in (query, key, value)]
     dropout = dropout if module.training else 0.0
     outputs = []
