@@ -19,21 +19,38 @@ def tokenizer():
     return build_byte_tokenizer()
 
 
+TINY_DENSE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+"""Shapes of the tiny dense models (Llama, Mistral)."""
+
+
 def tiny_llama(tokenizer, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        **TINY_DENSE,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
     return LlamaForCausalLM(config)
+
+
+def tiny_mistral(tokenizer, sliding_window: int, seed: int = 0):
+    """A tiny Mistral: the tiny Llama's shapes with a sliding attention window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=len(tokenizer), **TINY_DENSE, sliding_window=sliding_window, pad_token_id=tokenizer.pad_token_id
+    )
+    return MistralForCausalLM(config)
 
 
 def write_jsonl(path: Path, records: list) -> Path:

@@ -10,7 +10,7 @@ from tuneforge.model import packed_attention
 from tuneforge.model.attention import model_inputs
 from tuneforge.train.loop import accumulate_gradients
 
-from conftest import chat, rows_batch, single_engine, tiny_deepseek_v2, tiny_llama, tokenized
+from conftest import chat, rows_batch, single_engine, tiny_deepseek_v2, tiny_llama, tiny_mistral, tokenized
 
 RECORDS = [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("c" * 12, "mid reply")]
 
@@ -129,21 +129,8 @@ def test_gathered_sample_batches_equal_the_block_diagonal_mask(kv_heads, value_d
 def test_sliding_window_is_kept_within_each_packed_sample(tokenizer):
     """Mistral-style sliding window (query - key < window): a packed row gives every sample exactly the
     logits it has alone under `transformers`' own SDPA, for samples longer and shorter than the window."""
-    from transformers import MistralConfig, MistralForCausalLM
-
     packed_attention.register()
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=50,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = MistralForCausalLM(config).eval()
+    model = tiny_mistral(tokenizer, sliding_window=50).eval()
     data = tokenized(tokenizer, RECORDS)
     assert min(data.lengths) < 50 < max(data.lengths)
     model.config._attn_implementation = packed_attention.NAME
