@@ -99,3 +99,38 @@ def test_confidently_wrong_rows_keep_an_exact_loss():
     loss = linear_cross_entropy_sum(hidden, weight, targets, torch.float32)
     expected = F.cross_entropy(hidden @ weight.T, targets, reduction="sum")
     assert float(loss) == pytest.approx(float(expected)) and float(loss) > 399
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_weight_gradient_sums_every_chunk(compute_dtype, monkeypatch):
+    """Ragged chunks: the first writes the weight's gradient, the others add to it, in either compute dtype."""
+    monkeypatch.setattr(fused_loss, "CHUNK_ELEMENTS", 4 * 11)
+    monkeypatch.setattr(fused_loss, "MIN_CHUNK_ROWS", 1)
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 6, requires_grad=True)
+    weight = torch.randn(11, 6, requires_grad=True)
+    targets = torch.randint(0, 11, (10,))
+    linear_cross_entropy_sum(hidden, weight, targets, compute_dtype).backward()
+    fused = weight.grad.clone()
+    weight.grad = None
+    F.cross_entropy(hidden @ weight.T, targets, reduction="sum").backward()
+    tolerance = {} if compute_dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
+    torch.testing.assert_close(fused, weight.grad, **tolerance)
+
+
+def test_no_target_rows_give_zero_gradients():
+    hidden = torch.randn(0, 6, requires_grad=True)
+    weight = torch.randn(11, 6, requires_grad=True)
+    loss = linear_cross_entropy_sum(hidden, weight, torch.zeros(0, dtype=torch.long), torch.float32)
+    loss.backward()
+    assert float(loss) == 0.0 and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_a_second_backward_through_the_same_loss_is_refused():
+    """Gradients are handed over scaled in place, so a retained graph must not silently scale them twice."""
+    hidden = torch.randn(3, 4, requires_grad=True)
+    weight = torch.randn(5, 4, requires_grad=True)
+    loss = linear_cross_entropy_sum(hidden, weight, torch.tensor([0, 1, 2]), torch.float32)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward pass"):
+        loss.backward()

