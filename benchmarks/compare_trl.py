@@ -28,7 +28,9 @@ context being each sample for padding and tuneforge and each 1024-token row for 
 the corpus' length distribution). Divided by the fp32 (or bf16) matmul peak, measured once at the start
 for reference and again in each contender's process right after its steps: MFU is against the latter,
 since a shared VM's speed drifts over the minutes a run takes; MFU@best is against the highest peak
-measured in the invocation (the conservative figure).
+measured in the invocation (the conservative figure). Model FLOPs count the output layer on every token,
+as the usual definition does, while tuneforge runs it only on tokens that carry a label; exec@best
+counts it only where it runs (all tokens for TRL, labelled ones for tuneforge), over the same best peak.
 """
 
 from __future__ import annotations
@@ -269,7 +271,7 @@ def run_trl(root: Path, model: str, strategy: str, steps: int, lr: float, precis
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     durations = np.diff(timer.ends)
-    return summarize(batches[:steps], list(durations), losses)
+    return summarize(batches[:steps], list(durations), losses, output_layer_on_labels=False)
 
 
 def run_tuneforge(
@@ -309,10 +311,14 @@ def run_tuneforge(
     records = [json.loads(line) for line in (work_dir / "metrics.jsonl").open()]
     batches = [(r["tokens"], r["trained_tokens"], round(r["tokens"] / (1 - r["padding"]))) for r in records]
     durations = [r["tokens"] / r["tokens_per_s"] for r in records]
-    return summarize(batches, durations, [r["loss"] for r in records])
+    # The fused loss applies the output layer to labelled positions only (a plain, untied head here).
+    return summarize(batches, durations, [r["loss"] for r in records], output_layer_on_labels=True)
 
 
-def summarize(batches: list[tuple[int, int, int]], durations: list[float], losses: list[float]) -> dict:
+def summarize(
+    batches: list[tuple[int, int, int]], durations: list[float], losses: list[float], output_layer_on_labels: bool
+) -> dict:
+    """`output_layer_on_labels`: the contender applies the output layer only to tokens that carry a label."""
     timed = slice(1, len(durations))  # step 1 carries one-off warm-up
     seconds = float(sum(durations[timed]))
     tokens = sum(b[0] for b in batches[timed])
@@ -326,6 +332,7 @@ def summarize(batches: list[tuple[int, int, int]], durations: list[float], losse
         "trained_tokens": trained,
         "tokens_per_s": tokens / seconds,
         "trained_tokens_per_s": trained / seconds,
+        "output_layer_tokens_per_s": (trained if output_layer_on_labels else tokens) / seconds,
         "final_loss": losses[-1],
         "peak_rss_gb": peak_rss_gb(),
     }
@@ -384,7 +391,7 @@ def main() -> None:
 
     for model in models:
         config = AutoConfig.from_pretrained(root / model)
-        matmul, attention_width = flops_shape(config, root / model)
+        matmul, attention_width, output_layer = flops_shape(config, root / model)
         layers = config.num_hidden_layers
         print(f"\n== {model}: {matmul / 1e6:.1f}M matmul parameters active per token, {layers} layers")
         results: dict[str, dict] = {}
@@ -403,14 +410,17 @@ def main() -> None:
             per_token = 6 * matmul + 12 * config.num_hidden_layers * attention_width * context
             result["model_flops"] = per_token * result["tokens_per_s"]
             result["mfu"] = result["model_flops"] / result["peak_flops"]
+            skipped = result["tokens_per_s"] - result["output_layer_tokens_per_s"]
+            result["executed_flops"] = result["model_flops"] - 6 * output_layer * skipped
             result["wall_s"] = time.perf_counter() - started
             results[contender] = result
         print_table(results, max([peak] + [r["peak_flops"] for r in results.values()]))
 
 
-def flops_shape(config, directory: Path) -> tuple[int, int]:
-    """Matmul parameters a token passes through (routed experts: only the active ones) and the attention width
-    (the sum over heads of the query-key dimension, equal to the value width for these models)."""
+def flops_shape(config, directory: Path) -> tuple[int, int, int]:
+    """Matmul parameters a token passes through (routed experts: only the active ones), the attention width
+    (the sum over heads of the query-key dimension, equal to the value width for these models) and the
+    output layer's parameters."""
     from transformers import AutoModelForCausalLM
 
     from tuneforge.train.telemetry import active_matmul_parameters
@@ -420,21 +430,21 @@ def flops_shape(config, directory: Path) -> tuple[int, int]:
     heads = config.num_attention_heads
     head_dim = getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0)
     head_dim = head_dim or config.hidden_size // heads
-    return active_matmul_parameters(network), heads * head_dim
+    return active_matmul_parameters(network), heads * head_dim, network.get_output_embeddings().weight.numel()
 
 
 def print_table(results: dict[str, dict], best_peak: float) -> None:
     """MFU against the contender's own peak, and against the best peak measured in this invocation."""
     header = (
         f"{'contender':<18}{'trained tok/s':>14}{'all tok/s':>11}{'padding':>9}{'peak RSS':>10}"
-        f"{'final loss':>11}{'peak GF/s':>10}{'MFU':>7}{'MFU@best':>9}{'wall':>7}"
+        f"{'final loss':>11}{'peak GF/s':>10}{'MFU':>7}{'MFU@best':>9}{'exec@best':>10}{'wall':>7}"
     )
     print(header)
     for name, r in results.items():
         print(
             f"{name:<18}{r['trained_tokens_per_s']:>14,.0f}{r['tokens_per_s']:>11,.0f}{r['padding']:>9.1%}"
             f"{r['peak_rss_gb']:>9.2f}G{r['final_loss']:>11.4f}{r['peak_flops'] / 1e9:>10.1f}{r['mfu']:>7.1%}"
-            f"{r['model_flops'] / best_peak:>9.1%}{r['wall_s']:>6.0f}s"
+            f"{r['model_flops'] / best_peak:>9.1%}{r['executed_flops'] / best_peak:>10.1%}{r['wall_s']:>6.0f}s"
         )
     for mine in ("tuneforge", "tuneforge-compile"):
         if mine not in results:
