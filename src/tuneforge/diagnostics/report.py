@@ -139,6 +139,32 @@ def _first_divergence(sequences: dict[int, dict[int, dict]]) -> tuple[int, dict[
     return None
 
 
+def _first_expert_split(sequences: dict[int, dict[int, dict]]) -> tuple[int, dict[int, dict]] | None:
+    """The first sequence number every rank holds at which their records name different modules, one of them
+    an MoE block's experts, with each rank's record there."""
+    common = set.intersection(*(set(seq) for seq in sequences.values())) if sequences else set()
+    for number in sorted(common):
+        at = {rank: seq[number] for rank, seq in sequences.items()}
+        modules = {record["module"] or "" for record in at.values()}
+        if len(modules) > 1 and any(EXPERT_MODULE.search(module) for module in modules):
+            return number, at
+    return None
+
+
+def _first_expert_collective(sequences: dict[int, dict[int, dict]]) -> tuple[int, dict] | None:
+    """The earliest recorded collective issued inside an MoE block's experts, with its rank."""
+    found = [
+        (number, rank, record)
+        for rank, seq in sequences.items()
+        for number, record in seq.items()
+        if EXPERT_MODULE.search(record["module"] or "")
+    ]
+    if not found:
+        return None
+    _, rank, record = min(found, key=lambda item: (item[0], item[1]))
+    return rank, record
+
+
 def _describe_record(record: dict | None) -> str:
     if record is None:
         return "nothing (never issued it)"
@@ -215,6 +241,15 @@ def _diagnose_program(states: dict[int, dict]) -> Diagnosis:
         diverged = extra or (absent if 0 < len(absent) < len(at) else []) or _minority(at)
         if any(EXPERT_MODULE.search(rec["module"] or "") for rec in at.values() if rec is not None):
             return Diagnosis(CAUSES["moe"], diverged or sorted(at), detail)
+    split = _first_expert_split(sequences)
+    if split is not None:
+        # Same op and shapes on every rank, different experts: the collectives still pair up (each expert's
+        # parameters are the same size), so the ranks run on until a count differs (a hang) or a check such
+        # as DeepSpeed's trace comparison notices.
+        number, at = split
+        detail.append(f"first collective the ranks issued for different experts (#{number}):")
+        detail.extend(f"  rank {rank}: {_describe_record(record)}" for rank, record in sorted(at.items()))
+        return Diagnosis(CAUSES["moe"], [], detail)  # no rank is at fault: each follows its own tokens
     in_experts = {
         r: last
         for r, s in states.items()
@@ -240,6 +275,17 @@ def _diagnose_program(states: dict[int, dict]) -> Diagnosis:
         return Diagnosis(CAUSES["rank_only_path"], sorted(in_rank_only), detail)
     if divergence is None:
         return Diagnosis(CAUSES["same_collective"], [], detail)
+    expert_collective = _first_expert_collective(sequences)
+    if expert_collective is not None:
+        # Experts that gather or reduce their own parameters make each rank's collectives depend on its own
+        # tokens' routing; where the sequences then part can be far from the experts (under DeepSpeed its
+        # prefetching follows a trace recorded from one step's routing).
+        rank, record = expert_collective
+        detail.append(
+            f"the experts issue collectives of their own (rank {rank}: {_describe_record(record)}, "
+            f"#{record['seq']}), so each rank's sequence follows its own tokens' choice of experts"
+        )
+        return Diagnosis(CAUSES["moe"], [], detail)
     if extra or absent:
         number, at = divergence
         issuers = extra or sorted(set(at) - set(absent))
