@@ -99,17 +99,12 @@ def _accumulate_weight_gradient(total: torch.Tensor, gradient: torch.Tensor, par
     """total (+)= gradient.T @ part. In fp32 the product goes straight into `total` (no vocab x width
     temporary and no separate add: 1.7x faster at 262 rows of a 32k vocabulary on CPU); the first chunk
     overwrites, so `total` needs no zero fill. Lower precisions multiply in their dtype and add in fp32."""
-    if gradient.dtype == total.dtype:
-        if first:
-            torch.mm(gradient.T, part, out=total)
-        else:
-            total.addmm_(gradient.T, part)
-        return
-    product = (gradient.T @ part).float()
     if first:
-        total.copy_(product)
+        _product_into(total, gradient.T, part)
+    elif gradient.dtype == total.dtype:
+        total.addmm_(gradient.T, part)
     else:
-        total += product
+        total += (gradient.T @ part).float()
 
 
 def linear_cross_entropy_sum(
