@@ -423,6 +423,7 @@ def flops_shape(config, directory: Path) -> tuple[int, int, int]:
     output layer's parameters."""
     from transformers import AutoModelForCausalLM
 
+    from tuneforge.model.moe import find_moe
     from tuneforge.train.telemetry import active_matmul_parameters
 
     with torch.device("meta"):
@@ -430,7 +431,11 @@ def flops_shape(config, directory: Path) -> tuple[int, int, int]:
     heads = config.num_attention_heads
     head_dim = getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0)
     head_dim = head_dim or config.hidden_size // heads
-    return active_matmul_parameters(network), heads * head_dim, network.get_output_embeddings().weight.numel()
+    return (
+        active_matmul_parameters(network, find_moe(network)),
+        heads * head_dim,
+        network.get_output_embeddings().weight.numel(),
+    )
 
 
 def print_table(results: dict[str, dict], best_peak: float) -> None:

@@ -35,6 +35,7 @@ from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.data.tokenize import TokenizedData
 from tuneforge.engines.single import SingleEngine
 from tuneforge.model.adapters import apply_lora
+from tuneforge.model.moe import find_moe
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.telemetry import active_matmul_parameters
@@ -82,8 +83,9 @@ def build(config, device: torch.device):
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model, _ = apply_lora(model, LoraSettings(r=64, alpha=16, dropout=0.0))
-    return model
+    moe = find_moe(model)  # on the base model, before adapters wrap it
+    model, _ = apply_lora(model, LoraSettings(r=64, alpha=16, dropout=0.0), moe)
+    return model, moe
 
 
 def use_tuneforge_attention(model, device: torch.device) -> None:
@@ -187,8 +189,8 @@ def main() -> None:
         data = synthetic_samples(per_step * (warmup + args.steps), config.vocab_size, max_length)
         results = {}
         for contender in ("transformers", "tuneforge"):
-            model = build(config, device)
-            active = active_matmul_parameters(model)
+            model, moe = build(config, device)
+            active = active_matmul_parameters(model, moe)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             if contender == "tuneforge":

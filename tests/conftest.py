@@ -143,3 +143,27 @@ def tiny_mixtral(tokenizer, seed: int = 0):
         eos_token_id=tokenizer.eos_token_id,
     )
     return MixtralForCausalLM(config)
+
+
+def tiny_qwen3_moe(tokenizer, seed: int = 0):
+    """A tiny Qwen3-MoE: 4 experts stacked in 3-D parameters, top-2 routing, every layer sparse."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return Qwen3MoeForCausalLM(config)

@@ -22,6 +22,12 @@ MODELS = {
     "moe_intermediate_size: 16, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 4, "
     "n_routed_experts: 4, num_experts_per_tok: 2, n_shared_experts: 1, first_k_dense_replace: 1, kv_lora_rank: 16, "
     "q_lora_rank: null, qk_rope_head_dim: 8, qk_nope_head_dim: 8, v_head_dim: 8}}",
+    "mixtral": "{architecture: mixtral, tokenizer: bytes, size: {hidden_size: 32, intermediate_size: 64, "
+    "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, num_local_experts: 4, "
+    "num_experts_per_tok: 2}}",
+    "qwen3_moe": "{architecture: qwen3_moe, tokenizer: bytes, size: {hidden_size: 32, intermediate_size: 64, "
+    "moe_intermediate_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, "
+    "num_experts: 4, num_experts_per_tok: 2}}",
 }
 CONFIG = """\
 model: {model}
@@ -87,6 +93,49 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, model,
     one_weights = load_file(tmp_path / "one" / "checkpoints" / "final" / "model.safetensors")
     two_weights = load_file(tmp_path / "two" / "checkpoints" / "final" / "model.safetensors")
     assert one_weights.keys() == two_weights.keys()
+    for name, tensor in one_weights.items():
+        torch.testing.assert_close(two_weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+
+
+EXPERT_ADAPTERS = "model.lora={r: 4, alpha: 8, dropout: 0.0, experts: true}"
+
+
+@pytest.mark.parametrize(
+    ("model", "engine"),
+    [("deepseek_v2", "zero3_offload"), ("mixtral", "fsdp"), ("qwen3_moe", "ddp"), ("deepseek_v2", "zero2")],
+)
+def test_expert_adapters_on_two_ranks_equal_one_with_the_router_loss_on(tmp_path, model, engine):
+    """The report's set-up in small: LoRA on the routed experts (stacked, adapted through PEFT's
+    target_parameters), whose MoE map must still drive the router loss and each engine's MoE handling."""
+    write_jsonl(
+        tmp_path / "train.jsonl", [chat(f"question {i} " + "x" * (i % 9), f"answer {i * 7}") for i in range(40)]
+    )
+    config = tmp_path / "cfg.yaml"
+    config.write_text(CONFIG.format(model=MODELS[model]))
+    one = train(config, tmp_path / "one", "train.micro_batch_size=4", EXPERT_ADAPTERS)
+    two = train(
+        config,
+        tmp_path / "two",
+        "train.micro_batch_size=2",
+        EXPERT_ADAPTERS,
+        *ENGINES[engine],
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    )
+    maps = [next(line for line in run.stdout.splitlines() if line.startswith("moe: ")) for run in (one, two)]
+    assert maps[0] == maps[1] and "routed experts each (stacked)" in maps[0]
+    assert "experts.gate_up_proj" in two.stdout and "router balance loss: coefficient" in two.stdout
+    records = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").open()] for run in ("one", "two")}
+    assert all("router_aux_loss" in r for r in records["two"])
+    assert [r["router_aux_loss"] for r in records["two"]] == pytest.approx(
+        [r["router_aux_loss"] for r in records["one"]], abs=1e-5
+    )
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    adapter = Path("checkpoints") / "final" / "adapter_model.safetensors"
+    one_weights, two_weights = load_file(tmp_path / "one" / adapter), load_file(tmp_path / "two" / adapter)
+    assert one_weights.keys() == two_weights.keys() and any("experts" in name for name in one_weights)
     for name, tensor in one_weights.items():
         torch.testing.assert_close(two_weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
 

@@ -12,7 +12,7 @@ from tuneforge.distributed import DistInfo
 from tuneforge.engines import choose_engine
 from tuneforge.engines.deepspeed import deepspeed_config
 from tuneforge.errors import UserError
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.moe import find_moe
 from tuneforge.model.structure import decoder_layers
 
 from conftest import tiny_deepseek_v2, tiny_llama
@@ -63,7 +63,7 @@ def test_offload_combinations_that_cannot_work_are_refused(fields, message):
 
 def test_moe_blocks_and_decoder_layers_are_found_by_structure(tokenizer):
     deepseek = tiny_deepseek_v2(tokenizer)
-    blocks = find_moe_blocks(deepseek)
+    blocks = find_moe(deepseek)
     assert [(b.name, b.num_experts, b.layout) for b in blocks] == [("model.layers.1.mlp", 4, "stacked")]
-    assert find_moe_blocks(tiny_llama(tokenizer)) == []
+    assert not find_moe(tiny_llama(tokenizer))
     assert decoder_layers(deepseek) is deepseek.model.layers

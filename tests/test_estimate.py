@@ -11,7 +11,10 @@ from tuneforge.cli import main
 from tuneforge.config import load_config
 from tuneforge.config.schema import Config
 from tuneforge.doctor import PASS, WARN, check_estimate, read_model_config
-from tuneforge.estimate import ACCELERATORS, estimate, kbit_bytes
+from tuneforge.engines import engine_traits
+from tuneforge.estimate import ACCELERATORS, kbit_bytes
+from tuneforge.estimate import estimate as estimate_for_traits
+from tuneforge.model.moe import find_moe
 from tuneforge.model.quantize import quantized_linears
 
 from conftest import REPO
@@ -40,6 +43,15 @@ def deepseek():
 def config(**sections) -> Config:
     model = {"path": "some/model", "dtype": "bfloat16", **sections.pop("model", {})}
     return Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}, **sections})
+
+
+def estimate(cfg: Config, model, engine: str, *args, **kwargs):
+    """The estimate for the named engine's traits under `cfg`, as the doctor asks for it."""
+    return estimate_for_traits(cfg, model, engine_traits(engine, cfg.parallel, cfg.train), *args, **kwargs)
+
+
+def check_single(cfg: Config, model, accelerator):
+    return check_estimate(cfg, engine_traits("single", cfg.parallel, cfg.train), 1, model, find_moe(model), accelerator)
 
 
 def row(est, prefix: str):
@@ -139,12 +151,12 @@ def test_adapters_on_stacked_experts_cost_their_full_weights(deepseek):
 
 def test_a_job_that_does_not_fit_warns_with_a_fix(llama):
     full = config(train={"micro_batch_size": 1})
-    memory = check_estimate(full, "single", 1, llama, ACCELERATORS["a100-40gb"])[0]
+    memory = check_single(full, llama, ACCELERATORS["a100-40gb"])[0]
     assert memory.status == WARN and "does not fit" in memory.detail
     assert "parallel.engine=fsdp" in memory.fix
-    lora = check_estimate(config(model=LORA), "single", 1, llama, H100)
+    lora = check_single(config(model=LORA), llama, H100)
     assert [c.status for c in lora] == [PASS, PASS] and "a sizing estimate" in lora[0].report
-    skipped = check_estimate(config(model=LORA), "single", 1, llama, None)
+    skipped = check_single(config(model=LORA), llama, None)
     assert skipped[0].status == PASS and "skipped" in skipped[0].detail
 
 

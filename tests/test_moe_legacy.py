@@ -13,7 +13,7 @@ import time
 import pytest
 
 from test_distributed import TUNEFORGE, free_port
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.moe import find_moe
 
 from conftest import REPO, chat, write_jsonl
 
@@ -81,7 +81,7 @@ def run(root, name: str, *extra: str) -> subprocess.CompletedProcess:
 
 def test_the_legacy_blocks_are_found_by_structure():
     module = legacy_module()
-    blocks = find_moe_blocks(module.LegacyMoEForCausalLM(module.LegacyMoEConfig(num_experts=4)))
+    blocks = find_moe(module.LegacyMoEForCausalLM(module.LegacyMoEConfig(num_experts=4)))
     assert [(b.name, b.num_experts, b.layout) for b in blocks] == [
         ("layers.0.moe", 4, "list"),
         ("layers.1.moe", 4, "list"),

@@ -11,11 +11,16 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from tuneforge.config import load_config
 from tuneforge.data.batching import collate
 from tuneforge.errors import UserError
+from tuneforge.model.moe import find_moe
 from tuneforge.model.router_balance import attach_router_balance, balance_loss
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.run import run_training
 
 from conftest import chat, rows_batch, single_engine, tiny_llama, tiny_mixtral, tokenized, write_jsonl
+
+
+def attach_balance(model, coef):
+    return attach_router_balance(find_moe(model), model.config, coef)
 
 
 def test_one_layer_matches_transformers_and_balanced_routing_gives_top_k():
@@ -40,7 +45,7 @@ def test_padding_tokens_do_not_count():
 
 def test_recorded_router_logits_are_the_models_own(tokenizer):
     model = tiny_mixtral(tokenizer)
-    balance, note = attach_router_balance(model, None)
+    balance, note = attach_balance(model, None)
     assert "0.001 (the model config) over 2 MoE layers, top-2" in note
     data = tokenized(tokenizer, [chat("hello there", "general kenobi"), chat("q", "a much longer answer here")])
     batch = rows_batch(data, [0, 1], tokenizer.pad_token_id)
@@ -60,7 +65,7 @@ def test_packed_and_unpacked_batches_give_the_same_balance_loss_and_gradients(to
     results = {}
     for packed in (False, True):
         model = tiny_mixtral(tokenizer)
-        balance, _ = attach_router_balance(model, 0.5)
+        balance, _ = attach_balance(model, 0.5)
         rows = [[0, 1, 2, 3]] if packed else [[0], [1], [2], [3]]
         step = accumulate_gradients(
             single_engine(model), [collate(data, rows, pad, packed=packed)], "fp32", balance=balance
@@ -79,7 +84,7 @@ def test_the_coefficient_scales_the_router_gradient(tokenizer):
     grads = {}
     for coef in (0.0, 1.0, 2.0):
         model = tiny_mixtral(tokenizer)
-        balance, _ = attach_router_balance(model, coef)
+        balance, _ = attach_balance(model, coef)
         accumulate_gradients(single_engine(model), [batch], "fp32", balance=balance)
         grads[coef] = model.model.layers[1].mlp.gate.weight.grad.clone()
     assert not torch.allclose(grads[1.0], grads[0.0])
@@ -89,8 +94,8 @@ def test_the_coefficient_scales_the_router_gradient(tokenizer):
 
 def test_dense_model_with_a_coefficient_is_a_clear_error(tokenizer):
     with pytest.raises(UserError, match="no MoE layers"):
-        attach_router_balance(tiny_llama(tokenizer), 0.01)
-    assert attach_router_balance(tiny_llama(tokenizer), None) == (None, "")
+        attach_balance(tiny_llama(tokenizer), 0.01)
+    assert attach_balance(tiny_llama(tokenizer), None) == (None, "")
 
 
 CONFIG = """\

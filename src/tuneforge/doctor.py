@@ -20,9 +20,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from tuneforge.config.schema import Config
 from tuneforge.data.conversation import Conversation, Turn
 from tuneforge.data.templates import TOKENIZER, get_template
+from tuneforge.engines import EngineTraits, engine_traits
 from tuneforge.errors import UserError
 from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_estimate, local_accelerator
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.quantize import quantized_linears
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -75,40 +76,34 @@ def model_skeleton(
         return None
 
 
-def _sharded(cfg: Config, engine: str) -> bool:
-    return engine == "fsdp" or (engine == "deepspeed" and cfg.parallel.zero_stage == 3)
-
-
-def check_moe_sharding(cfg: Config, engine: str, skeleton: nn.Module | None) -> Check:
+def check_moe_sharding(traits: EngineTraits, moe: MoEMap, readable: bool) -> Check:
     name = "MoE under sharding"
-    blocks = find_moe_blocks(skeleton) if skeleton is not None else []
-    if not blocks:
-        return Check(name, PASS, "no MoE blocks" if skeleton is not None else "model structure not readable")
-    if not _sharded(cfg, engine):
-        return Check(name, PASS, f"{len(blocks)} MoE blocks; parameters are not sharded under {engine}")
-    if not cfg.parallel.moe_safety:
+    if not moe:
+        return Check(name, PASS, "no MoE blocks" if readable else "model structure not readable")
+    if not traits.sharded:
+        return Check(name, PASS, f"{len(moe)} MoE blocks; parameters are not sharded under {traits.label}")
+    if not traits.moe_safety:
         return Check(
             name,
             FAIL,
-            f"{len(blocks)} MoE blocks under {engine} with parallel.moe_safety=false: ranks whose tokens pick "
+            f"{len(moe)} MoE blocks under {traits.label} with parallel.moe_safety=false: ranks whose tokens pick "
             "different experts issue different collectives and hang",
             "set parallel.moe_safety=true",
         )
-    how = "as ZeRO-3 leaf modules" if engine == "deepspeed" else "inside their decoder layer's FSDP unit"
-    return Check(name, PASS, f"{len(blocks)} MoE blocks ({blocks[0].layout} experts) gathered whole {how}")
+    return Check(name, PASS, f"{len(moe)} MoE blocks ({moe.blocks[0].layout} experts) {traits.moe_safety}")
 
 
-def check_qlora_storage(cfg: Config, engine: str) -> Check:
+def check_qlora_storage(cfg: Config, traits: EngineTraits) -> Check:
     name = "QLoRA storage dtype"
     quantization = cfg.model.quantization
     if quantization is None or quantization.bits != 4:
         return Check(name, PASS, "no 4-bit weights")
     storage = quantization.storage_dtype
-    if _sharded(cfg, engine) and storage not in ("auto", quantization.compute_dtype):
+    if traits.sharded and storage not in ("auto", quantization.compute_dtype):
         return Check(
             name,
             FAIL,
-            f"4-bit weights stored as {storage} under {engine}, compute {quantization.compute_dtype}: "
+            f"4-bit weights stored as {storage} under {traits.label}, compute {quantization.compute_dtype}: "
             "ZeRO-3 and FSDP cannot shard them consistently",
             "set model.quantization.storage_dtype=auto",
         )
@@ -156,19 +151,19 @@ def check_remote_code(cfg: Config, model_config: Path | None = None) -> Check:
     )
 
 
-def check_expert_adapters(cfg: Config, skeleton: nn.Module | None) -> Check:
+def check_expert_adapters(cfg: Config, moe: MoEMap) -> Check:
     name = "LoRA on experts with offload"
     lora = cfg.model.lora
-    if lora is None or not lora.experts or skeleton is None:
+    if lora is None or not lora.experts or not moe:
         return Check(name, PASS, "routed experts have no adapters" if lora is not None else "no LoRA")
-    blocks = find_moe_blocks(skeleton)
+    blocks = list(moe)
     adapter_values = 0
     for block in blocks:
-        for param in getattr(block.module, block.experts_name).parameters():
-            if param.ndim == 3:  # stacked: experts x out x in
-                adapter_values += param.shape[0] * lora.r * (param.shape[1] + param.shape[2])
-            elif param.ndim == 2:
-                adapter_values += lora.r * (param.shape[0] + param.shape[1])
+        for _, shape in block.expert_shapes:
+            if len(shape) == 3:  # stacked: experts x out x in
+                adapter_values += shape[0] * lora.r * (shape[1] + shape[2])
+            elif len(shape) == 2:
+                adapter_values += lora.r * (shape[0] + shape[1])
     megabytes = adapter_values * 4 / 2**20
     detail = f"adapters on {sum(b.num_experts for b in blocks)} routed experts: {adapter_values / 1e6:.1f}M values"
     if cfg.parallel.cpu_offload == "all":
@@ -182,12 +177,12 @@ def check_expert_adapters(cfg: Config, skeleton: nn.Module | None) -> Check:
     return Check(name, PASS, detail)
 
 
-def check_expert_dropout(cfg: Config, skeleton: nn.Module | None) -> Check:
+def check_expert_dropout(cfg: Config, moe: MoEMap) -> Check:
     name = "LoRA dropout on experts"
     lora = cfg.model.lora
-    if lora is None or not lora.experts or lora.dropout == 0 or skeleton is None:
+    if lora is None or not lora.experts or lora.dropout == 0 or not moe:
         return Check(name, PASS, "no dropout on stacked expert adapters")
-    stacked = [b for b in find_moe_blocks(skeleton) if b.layout == "stacked"]
+    stacked = [b for b in moe if b.layout == "stacked"]
     if not stacked:
         return Check(name, PASS, "experts are modules: their adapters take dropout")
     return Check(
@@ -290,7 +285,7 @@ def check_environment(environ: dict[str, str] | None = None) -> Check:
     return Check(name, PASS, "no variable names absent hardware")
 
 
-def _memory_fix(cfg: Config, engine: str, est: Estimate) -> str:
+def _memory_fix(cfg: Config, traits: EngineTraits, est: Estimate) -> str:
     """The change that removes the largest part of the excess."""
     capacity = est.accelerator.memory_gib * GIB
     if est.load_gpu > capacity >= est.gpu_bytes:
@@ -305,7 +300,7 @@ def _memory_fix(cfg: Config, engine: str, est: Estimate) -> str:
         if not cfg.train.gradient_checkpointing:
             return "set train.gradient_checkpointing=true, or lower train.micro_batch_size (raise accumulation)"
         return "lower train.micro_batch_size (raise train.gradient_accumulation to keep the batch) or data.max_length"
-    if engine not in ("fsdp", "deepspeed") or (engine == "deepspeed" and cfg.parallel.zero_stage < 3):
+    if not traits.sharded:
         return "shard weights, gradients and optimizer state: parallel.engine=fsdp (or deepspeed, zero_stage 3)"
     if cfg.parallel.cpu_offload != "all":
         return "set parallel.cpu_offload=all (slower: weights cross PCIe every pass), or use more GPUs"
@@ -314,9 +309,10 @@ def _memory_fix(cfg: Config, engine: str, est: Estimate) -> str:
 
 def check_estimate(
     cfg: Config,
-    engine: str,
+    traits: EngineTraits,
     world_size: int,
     skeleton: nn.Module | None,
+    moe: MoEMap,
     accelerator: Accelerator | None,
     gpus_per_node: int | None = None,
     num_samples: int | None = None,
@@ -330,7 +326,7 @@ def check_estimate(
         )
         return [Check("memory estimate", PASS, f"skipped: {why}")]
     try:
-        est = estimate(cfg, skeleton, engine, world_size, accelerator, gpus_per_node, num_samples)
+        est = estimate(cfg, skeleton, traits, world_size, accelerator, gpus_per_node, num_samples, moe)
     except UserError as exc:  # a config problem that training reports on its own
         return [Check("memory estimate", PASS, f"skipped: {exc}")]
     report = format_estimate(est)
@@ -341,7 +337,7 @@ def check_estimate(
         loading = " while loading" if est.load_host > est.host_bytes else ""
         detail += f"; host RAM {max(est.host_bytes, est.load_host) / GIB:.0f} GiB per node{loading}"
     if not est.fits:
-        memory = Check("memory estimate", WARN, detail + ": does not fit", _memory_fix(cfg, engine, est), report)
+        memory = Check("memory estimate", WARN, detail + ": does not fit", _memory_fix(cfg, traits, est), report)
     else:
         memory = Check("memory estimate", PASS, detail, report=report)
     if est.step_s is None:
@@ -354,7 +350,7 @@ def check_estimate(
     if host > times["compute"]:
         detail += f"; {host:.1f} s of it on the host (offload)"
         alternative = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"cpu_offload": "none"})})
-        lean = estimate(alternative, skeleton, engine, world_size, accelerator, gpus_per_node, num_samples)
+        lean = estimate(alternative, skeleton, traits, world_size, accelerator, gpus_per_node, num_samples, moe)
         if lean.fits:
             fixes.append(
                 f"parallel.cpu_offload=none fits too ({lean.gpu_bytes / GIB:.1f} GiB per GPU, "
@@ -377,25 +373,28 @@ def run_checks(
     accelerator: Accelerator | None = None,
     gpus_per_node: int | None = None,
 ) -> list[Check]:
-    """`accelerator` None: this machine's GPU, if any (the estimate is skipped without one)."""
+    """`engine`: the engine's name, as `choose_engine` resolved it. `accelerator` None: this machine's GPU, if
+    any (the estimate is skipped without one)."""
+    traits = engine_traits(engine, cfg.parallel, cfg.train)
     skeleton = model_skeleton(cfg, tokenizer, model_config)
+    moe = find_moe(skeleton) if skeleton is not None else MoEMap()
     if accelerator is None:
         accelerator = local_accelerator()
     if gpus_per_node is None:
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return [
-        check_moe_sharding(cfg, engine, skeleton),
-        check_qlora_storage(cfg, engine),
+        check_moe_sharding(traits, moe, skeleton is not None),
+        check_qlora_storage(cfg, traits),
         check_quantized_share(cfg, skeleton),
         check_remote_code(cfg, model_config),
-        check_expert_adapters(cfg, skeleton),
-        check_expert_dropout(cfg, skeleton),
+        check_expert_adapters(cfg, moe),
+        check_expert_dropout(cfg, moe),
         check_dtype(cfg, skeleton),
         check_samples(cfg, world_size, num_samples),
         check_packing(cfg),
         check_template(cfg, tokenizer),
         check_environment(),
-        *check_estimate(cfg, engine, world_size, skeleton, accelerator, gpus_per_node, num_samples),
+        *check_estimate(cfg, traits, world_size, skeleton, moe, accelerator, gpus_per_node, num_samples),
     ]
 
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tuneforge.config.schema import Config
+from tuneforge.engines.base import EngineTraits
 from tuneforge.model.adapters import resolve_lora_targets
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.moe import MoEBlock, MoEMap, find_moe
 from tuneforge.model.quantize import matches_module_name, quantized_linears
 from tuneforge.model.structure import decoder_layers
 from tuneforge.train.fused_loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
@@ -156,13 +158,17 @@ class _Shapes:
     act_max_layer: float
 
 
-def _activity(model: nn.Module) -> dict[int, float]:
+def _routed_parameters(model: nn.Module, moe: MoEMap) -> Iterator[tuple[MoEBlock, nn.Parameter]]:
+    for block in moe:
+        for name, _ in block.expert_shapes:
+            yield block, model.get_parameter(f"{block.experts_path}.{name}")
+
+
+def _activity(model: nn.Module, moe: MoEMap) -> dict[int, float]:
     """Share of tokens that multiply with each parameter, where it is not 1."""
-    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
     share: dict[int, float] = {}
-    for block in find_moe_blocks(model):
-        for param in getattr(block.module, block.experts_name).parameters():
-            share[id(param)] = min(1.0, top_k / block.num_experts) if top_k else 1.0
+    for block, param in _routed_parameters(model, moe):
+        share[id(param)] = min(1.0, block.top_k / block.num_experts) if block.top_k else 1.0
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if embedding is not None and (head is None or head.weight is not embedding.weight):
         share[id(embedding.weight)] = 0.0  # a lookup, not a matmul
@@ -180,16 +186,15 @@ def _saved_values(param: nn.Parameter, activity: float) -> float:
     return param.numel()
 
 
-def _shapes(cfg: Config, model: nn.Module, compute_bytes: int) -> _Shapes:
-    share = _activity(model)
+def _shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int) -> _Shapes:
+    share = _activity(model, moe)
     quantization = cfg.model.quantization
     quantized_ids = set()
     if quantization is not None:
         quantized_ids = {id(module.weight) for _, module in quantized_linears(model, quantization)}
     params = list(model.parameters())
     active = {id(p): share.get(id(p), 1.0) * p.numel() for p in params}
-    blocks = find_moe_blocks(model)
-    routed_ids = {id(p) for b in blocks for p in getattr(b.module, b.experts_name).parameters()}
+    routed_ids = {id(p) for _, p in _routed_parameters(model, moe)}
 
     lora = cfg.model.lora
     trainable_ids: set[int] = set()
@@ -197,7 +202,7 @@ def _shapes(cfg: Config, model: nn.Module, compute_bytes: int) -> _Shapes:
     stacked: list[nn.Parameter] = []
     extra = 0
     if lora is not None:
-        targets = resolve_lora_targets(model, lora)
+        targets = resolve_lora_targets(model, lora, moe)
         for name in targets.modules:
             module = model.get_submodule(name)
             adapters[name] = lora.r * (module.in_features + module.out_features) + (
@@ -275,26 +280,29 @@ def _count(values: float) -> str:
 def estimate(
     cfg: Config,
     skeleton: nn.Module,
-    engine: str,
+    traits: EngineTraits,
     world_size: int,
     accelerator: Accelerator,
     gpus_per_node: int | None = None,
     num_samples: int | None = None,
+    moe: MoEMap | None = None,
 ) -> Estimate:
-    """Memory per GPU (and host RAM per node) and time per optimizer step for `cfg` on `world_size` ranks."""
+    """Memory per GPU (and host RAM per node) and time per optimizer step for `cfg` on `world_size` ranks of
+    the engine with `traits`. `moe`: the skeleton's MoE map (found on it when not given)."""
+    moe = moe if moe is not None else find_moe(skeleton)
     par, train, quantization = cfg.parallel, cfg.train, cfg.model.quantization
     per_node = min(gpus_per_node or world_size, world_size)
     mixed = train.precision in ("bf16", "fp16")
     compute_bytes = 2 if mixed else 4
-    deepspeed_cast = engine == "deepspeed" and mixed  # DeepSpeed casts every parameter to the compute dtype
+    deepspeed_cast = traits.casts_parameters and mixed  # DeepSpeed casts every parameter to the compute dtype
     model_bytes = DTYPE_BYTES[cfg.model.dtype]
     # PEFT's k-bit preparation upcasts what is not quantized to fp32; DeepSpeed then casts it back.
     frozen_bytes = 2 if deepspeed_cast else 4 if quantization is not None else model_bytes
     kbit = kbit_bytes(quantization.bits, quantization.double_quant) if quantization is not None else 0.0
-    s = _shapes(cfg, skeleton, compute_bytes)
+    s = _shapes(cfg, skeleton, moe, compute_bytes)
 
-    sharded_engine = engine == "fsdp" or engine == "deepspeed"
-    stage = par.zero_stage if engine == "deepspeed" else 3 if engine == "fsdp" else 0
+    sharded_engine = traits.shards_anything
+    stage = traits.shard_stage
     offload_weights = par.cpu_offload == "all"
     offload_optimizer = par.cpu_offload != "none"
 
@@ -321,7 +329,7 @@ def estimate(
     ]
     if not s.quantized and not s.frozen:
         rows.pop(0)  # full fine-tuning: no frozen base
-    if sharded_engine and stage == 3:
+    if traits.sharded:
         gathered = GATHERED_LAYERS * (s.layer_quantized * kbit + s.layer_other * compute_bytes)
         gathered += s.outside_layers * compute_bytes
         rows.append(Row(f"gathered for compute: {GATHERED_LAYERS} layers + embeddings/head", gathered))
@@ -349,7 +357,7 @@ def estimate(
         )
     )
     head_wrapped = cfg.model.lora is not None and "lm_head" in (cfg.model.lora.modules_to_save or [])
-    if (engine == "deepspeed" and stage == 3) or head_wrapped:  # the model's own logits for the whole batch
+    if not traits.fuses_output_layer or head_wrapped:  # the model's own logits for the whole batch
         rows.append(Row(f"logits and loss: {tokens_micro} x {s.vocab}", tokens_micro * s.vocab * LOGITS_BYTES))
     else:  # the fused loss holds one chunk of logits and the hidden states' gradient
         chunk = min(tokens_micro, max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // s.vocab))
@@ -369,7 +377,7 @@ def estimate(
         f"{world_size} ranks x {train.gradient_accumulation} micro-batches x {train.micro_batch_size} x "
         f"{cfg.data.max_length} tokens" + ("" if cfg.data.packing else "; without packing an upper bound")
     )
-    times, step_s = _times(cfg, s, engine, world_size, per_node, accelerator, kbit, compute_bytes, weight_b)
+    times, step_s = _times(cfg, s, traits, world_size, per_node, accelerator, kbit, compute_bytes, weight_b)
     if train.max_steps is not None:
         steps = train.max_steps
     elif num_samples:
@@ -378,10 +386,9 @@ def estimate(
     else:
         steps = None
     offload = "" if par.cpu_offload == "none" else f", cpu_offload={par.cpu_offload}"
-    how = {"deepspeed": f"deepspeed ZeRO-{par.zero_stage}", "fsdp": "fsdp (FSDP2)"}.get(engine, engine)
     return Estimate(
         accelerator=accelerator,
-        setup=f"{world_size} x {accelerator.name}, {how}{offload}",
+        setup=f"{world_size} x {accelerator.name}, {traits.label}{offload}",
         rows=rows,
         load_gpu=load_gpu,
         load_host=load_host,
@@ -391,14 +398,14 @@ def estimate(
         step_s=step_s,
         steps=steps,
         activation_factor=s.act_total * compute_bytes / s.hidden / s.layers,
-        assumptions=_assumptions(cfg, engine, s),
+        assumptions=_assumptions(cfg, traits, s),
     )
 
 
 def _times(
     cfg: Config,
     s: _Shapes,
-    engine: str,
+    traits: EngineTraits,
     world_size: int,
     per_node: int,
     accelerator: Accelerator,
@@ -433,7 +440,7 @@ def _times(
         times.append(("expert adapter deltas", delta, f"{_count(s.stacked_adapted)} values formed {delta_passes}x"))
         gpu_s += delta
 
-    sharded3 = engine == "fsdp" or (engine == "deepspeed" and par.zero_stage == 3)
+    sharded3 = traits.sharded
     gather_bytes = s.quantized * kbit + (s.frozen + s.trainable) * compute_bytes
     spread = (world_size - 1) / world_size
     collective = 0.0
@@ -441,8 +448,9 @@ def _times(
         bandwidth = NVLINK_BYTES_PER_S if world_size <= per_node else NETWORK_BYTES_PER_S
         if sharded3:
             collective += micro * GATHER_PASSES * gather_bytes * spread
-        reductions = micro if engine == "deepspeed" else 1  # FSDP and DDP skip the sync until the last micro-batch
-        collective += reductions * s.trainable * grad_bytes * spread * (2 if engine == "ddp" else 1)
+        reductions = micro if traits.reduces_every_micro_batch else 1  # FSDP and DDP sync at the last micro-batch
+        all_reduce = not traits.shards_anything  # an all-reduce moves twice a reduce-scatter's bytes
+        collective += reductions * s.trainable * grad_bytes * spread * (2 if all_reduce else 1)
         collective /= bandwidth
         times.append(("collectives", collective, "overlap compute (prefetch)"))
 
@@ -450,7 +458,7 @@ def _times(
     if par.cpu_offload == "all":
         host += micro * GATHER_PASSES * gather_bytes / world_size  # each rank uploads its shard per pass
     if par.cpu_offload != "none":
-        grads_out = micro if engine == "deepspeed" else 1  # DeepSpeed accumulates offloaded gradients on the host
+        grads_out = micro if traits.reduces_every_micro_batch else 1  # DeepSpeed accumulates them on the host
         host += grads_out * s.trainable * grad_bytes / world_size
         if par.cpu_offload == "optimizer":
             host += s.trainable * compute_bytes / world_size  # updated weights back
@@ -463,7 +471,7 @@ def _times(
     return times, max(gpu_s, collective) + host_s
 
 
-def _assumptions(cfg: Config, engine: str, s: _Shapes) -> list[str]:
+def _assumptions(cfg: Config, traits: EngineTraits, s: _Shapes) -> list[str]:
     slower = [f"routed-expert matmuls at x{EXPERT_EFFICIENCY}"] if s.active_routed else []
     slower += [f"k-bit ones at x{QUANTIZED_EFFICIENCY}"] if s.active_quantized else []
     notes = [
@@ -477,7 +485,7 @@ def _assumptions(cfg: Config, engine: str, s: _Shapes) -> list[str]:
         f"logits ({FUSED_LOGIT_BYTES} bytes each), ZeRO-3 the whole batch's ({LOGITS_BYTES} bytes each)",
         f"{CUDA_OVERHEAD_GIB:g} GiB per GPU for the CUDA context, NCCL and fragmentation",
     ]
-    if engine in ("fsdp", "deepspeed"):
+    if traits.sharded:
         notes.append(
             f"sharded weights: {GATHERED_LAYERS} decoder layers unsharded at a time, gathered {GATHER_PASSES}x "
             f"per micro-batch at {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU in a node "

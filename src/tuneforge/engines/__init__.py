@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
-from tuneforge.engines.base import Engine
-from tuneforge.engines.loss_scale import LossScaler
+from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
 from tuneforge.errors import UserError
+from tuneforge.model.moe import MoEMap
 
 
 def choose_engine(requested: str, info: DistInfo) -> str:
@@ -25,44 +23,43 @@ def choose_engine(requested: str, info: DistInfo) -> str:
     return requested
 
 
-def build_engine(
-    name: str,
-    model: torch.nn.Module,
-    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
-    info: DistInfo,
-    parallel: ParallelConfig,
-    train: TrainConfig,
-) -> Engine:
-    precision = train.precision
-    scaler = None
-    if precision == "fp16" and name != "deepspeed":  # DeepSpeed scales with its own scaler, same settings
-        scaler = LossScaler(
-            train.loss_scale or train.initial_loss_scale, train.loss_scale_window, train.loss_scale is None
-        )
+def engine_class(name: str) -> type[Engine]:
+    # Imported on demand: DeepSpeed is an optional extra, and FSDP2 pulls in torch.distributed's checkpointing.
     if name == "single":
         from tuneforge.engines.single import SingleEngine
 
-        return SingleEngine(model, make_optimizer, info, scaler)
+        return SingleEngine
     if name == "ddp":
         from tuneforge.engines.ddp import DDPEngine
 
-        return DDPEngine(model, make_optimizer, info, scaler)
-    # bf16 parameters pay off on GPUs; on CPU, autocast does the bf16 compute with fp32 weights.
-    bf16_params = precision == "bf16" and info.device.type == "cuda"
+        return DDPEngine
     if name == "fsdp":
         from tuneforge.engines.fsdp import FSDPEngine
 
-        return FSDPEngine(
-            model,
-            make_optimizer,
-            info,
-            cpu_offload=parallel.cpu_offload == "all",
-            bf16_params=bf16_params,
-            scaler=scaler,
-        )
-    from tuneforge.engines.deepspeed import DeepSpeedEngine
+        return FSDPEngine
+    if name == "deepspeed":
+        from tuneforge.engines.deepspeed import DeepSpeedEngine
 
-    return DeepSpeedEngine(model, make_optimizer, info, parallel, train, bf16_params)
+        return DeepSpeedEngine
+    raise ValueError(f"unknown engine {name!r}")
 
 
-__all__ = ["Engine", "build_engine", "choose_engine"]
+def engine_traits(name: str, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
+    """What engine `name` does under this config, without building it (for the doctor, the estimate, loading)."""
+    return engine_class(name).traits_for(parallel, train, device)
+
+
+def build_engine(
+    name: str,
+    model: torch.nn.Module,
+    make_optimizer: OptimizerFactory,
+    info: DistInfo,
+    parallel: ParallelConfig,
+    train: TrainConfig,
+    moe: MoEMap,
+) -> Engine:
+    """`moe`: the MoE map of the base model inside `model`, found before adapters wrapped it."""
+    return engine_class(name)(model, make_optimizer, info, parallel, train, moe)
+
+
+__all__ = ["Engine", "EngineTraits", "build_engine", "choose_engine", "engine_traits"]

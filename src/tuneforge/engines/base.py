@@ -2,70 +2,176 @@
 
 The loop calls only these methods, in the same order on every rank, and never asks which engine
 it has. That is what keeps every rank issuing the same collectives.
+
+What an engine does (whether it shards parameters, casts them, where the loss may read the output layer,
+how MoE blocks stay collective-safe) is an `EngineTraits`, known from the config before the engine exists:
+the doctor, the estimate and model loading ask the traits instead of comparing engine names.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from tuneforge.distributed import DistInfo
+from tuneforge.config.schema import ParallelConfig, TrainConfig
+from tuneforge.distributed import DistInfo, all_reduce_sum
+from tuneforge.engines.loss_scale import LossScaler
+from tuneforge.model.moe import MoEMap
+
+OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
 
-class Engine(Protocol):
+@dataclass(frozen=True)
+class EngineTraits:
     name: str
-    info: DistInfo
-    sharded: bool
-    """Parameters live in pieces across ranks: every forward is a collective, so generation runs in lockstep."""
+    label: str
+    """How the run and the estimate name the set-up, e.g. `deepspeed ZeRO-3`."""
+    shard_stage: int
+    """What is split across ranks: 0 nothing, 1 optimizer state, 2 and gradients, 3 and parameters."""
+    casts_parameters: bool
+    """Every parameter, frozen ones included, is held in the compute dtype (DeepSpeed under bf16/fp16)."""
+    reduces_every_micro_batch: bool
+    """Gradients are reduced after every micro-batch, not only at the last one of a step."""
+    fuses_output_layer: bool
+    """The output layer's weight is whole on every rank after the forward, so the loss may apply it itself."""
     skips_nonfinite: bool
     """`step` leaves weights and optimizer state untouched when the gradient norm is not finite."""
+    compiles: bool
+    """`train.compile` works under this engine."""
+    moe_safety: str
+    """How MoE blocks issue the same collectives on every rank whatever their tokens pick ('' when nothing is
+    needed or `parallel.moe_safety` is off)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters live in pieces across ranks: every forward is a collective, so generation runs in lockstep,
+        and 4-bit weights must be stored in a dtype the engine can split."""
+        return self.shard_stage == 3
+
+    @property
+    def shards_anything(self) -> bool:
+        return self.shard_stage > 0
+
+
+def global_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """The gradients' global norm before clipping; clipped to `max_norm` (0: not clipped) when finite. Works on
+    sharded (DTensor) gradients too: the norm is then a collective."""
+    with_grads = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
+    norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
+    if max_norm > 0 and math.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
+    return norm
+
+
+class Engine(abc.ABC):
+    """The common parts of every engine; subclasses wrap the model and say how gradients are made and applied.
+    Every engine is built the same way: `Engine(model, make_optimizer, info, parallel, train, moe)`."""
+
+    scales_fp16_loss = True
+    """fp16 loss scaling is ours (`LossScaler`); DeepSpeed scales with its own scaler, same settings."""
+    optimizer: torch.optim.Optimizer
+
+    def __init__(
+        self,
+        info: DistInfo,
+        parallel: ParallelConfig | None = None,
+        train: TrainConfig | None = None,
+        moe: MoEMap | None = None,
+    ):
+        parallel, train = parallel or ParallelConfig(), train or TrainConfig(precision="fp32")
+        self.info = info
+        self.traits = self.traits_for(parallel, train, info.device.type)
+        self.moe = moe if moe is not None else MoEMap()
+        self.scaler = LossScaler.for_config(train) if self.scales_fp16_loss else None
+
+    @classmethod
+    @abc.abstractmethod
+    def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
+        """What this engine does under `parallel` and `train` on a `device` type, before it is built."""
+
+    @property
+    def name(self) -> str:
+        return self.traits.name
+
+    @property
+    def sharded(self) -> bool:
+        return self.traits.sharded
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        return self.traits.skips_nonfinite
 
     @property
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale; None without fp16 loss scaling."""
-        ...
+        return self.scaler.scale if self.scaler is not None else None
 
     @property
+    @abc.abstractmethod
     def model(self) -> torch.nn.Module:
         """The module to call for training forward passes (possibly a wrapper)."""
-        ...
 
     @property
+    @abc.abstractmethod
     def unwrapped(self) -> torch.nn.Module:
-        """The plain Hugging Face model, for generation and saving."""
-        ...
+        """The plain Hugging Face model (inside PEFT's wrapper, if any), for generation and saving."""
 
     def sum_across_ranks(self, values: list[float]) -> list[float]:
         """Element-wise sums over all ranks (token counts, loss sums), in one collective."""
-        ...
+        return all_reduce_sum(values, self.info) if self.info.distributed else list(values)
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         """Context of one micro-batch's forward and backward; gradients are synchronised only when `last`."""
-        ...
+        return contextlib.nullcontext()
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16 loss scale, when scaling."""
+        return self.scaler.scaled(loss) if self.scaler is not None else loss
+
+    @abc.abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
         """`loss` is this rank's share of the global mean: its token-loss sum over the global target count.
         Under fp16 the engine multiplies it by its loss scale and `step` divides the gradients again."""
-        ...
 
+    @abc.abstractmethod
     def step(self, lr: float, max_grad_norm: float) -> float:
         """Clip the gradients to `max_grad_norm` (0: no clipping), apply them at learning rate `lr` (unless the
         norm is not finite, where `skips_nonfinite`), clear them. Returns the global norm before clipping."""
-        ...
 
+    @abc.abstractmethod
     def save_state(self, directory: Path) -> None:
         """Model and optimizer state for an exact resume, into `directory` (shared by all ranks). A collective
         for sharded engines: every rank calls it."""
-        ...
 
+    @abc.abstractmethod
     def load_state(self, directory: Path) -> None:
         """Restore what `save_state` wrote (same world size). Every rank calls it."""
-        ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights for saving, on rank 0. A collective for sharded engines: every rank calls
-        it. None from an unsharded engine means the unwrapped model's own weights are the whole model."""
-        ...
+        it. None means the unwrapped model's own weights are the whole model."""
+        return None
+
+    def _clipped_step(self, parameters: Iterable[torch.nn.Parameter], lr: float, max_grad_norm: float) -> float:
+        """For engines that step a torch optimizer themselves: unscale fp16 gradients (when scaling), clip, step
+        unless not finite (weights and moments stay as they were), clear, and let the scaler adapt."""
+        parameters = list(parameters)
+        if self.scaler is not None:
+            self.scaler.unscale_(parameters)
+        norm = global_grad_norm(parameters, max_grad_norm)
+        if math.isfinite(norm):
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.update(math.isfinite(norm))
+        return norm

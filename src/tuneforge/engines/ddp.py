@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.diagnostics.recorder import RECORDER
-from tuneforge.distributed import DistInfo, all_reduce_sum
-from tuneforge.engines.loss_scale import LossScaler
-from tuneforge.engines.single import SingleEngine, global_grad_norm
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.distributed import DistInfo
+from tuneforge.engines.base import EngineTraits, OptimizerFactory
+from tuneforge.engines.single import SingleEngine
+from tuneforge.model.moe import MoEMap
 
 
 def _recorded_allreduce(state, bucket):
@@ -28,41 +28,49 @@ def _recorded_allreduce(state, bucket):
 
 
 class DDPEngine(SingleEngine):
-    name = "ddp"
+    @classmethod
+    def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
+        return EngineTraits(
+            name="ddp",
+            label="ddp",
+            shard_stage=0,
+            casts_parameters=False,
+            reduces_every_micro_batch=False,
+            fuses_output_layer=True,
+            skips_nonfinite=True,
+            compiles=True,
+            # Not a choice: experts without tokens have no gradient, so DDP must look for unused parameters.
+            moe_safety="experts without tokens found as unused parameters",
+        )
 
     def __init__(
         self,
         model: torch.nn.Module,
-        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+        make_optimizer: OptimizerFactory,
         info: DistInfo,
-        scaler: LossScaler | None = None,
+        parallel: ParallelConfig | None = None,
+        train: TrainConfig | None = None,
+        moe: MoEMap | None = None,
     ):
-        super().__init__(model, make_optimizer, info, scaler)
-        self._plain = self._model
-        self._model = DistributedDataParallel(
+        super().__init__(model, make_optimizer, info, parallel, train, moe)
+        self._wrapped = DistributedDataParallel(
             self._plain,
             device_ids=[info.device.index] if info.device.type == "cuda" else None,
             broadcast_buffers=False,  # rotary caches and the like are identical on every rank
             # MoE blocks skip experts that receive no tokens, leaving their parameters without gradients.
-            find_unused_parameters=bool(find_moe_blocks(self._plain)),
+            find_unused_parameters=bool(self.moe),
         )
         # DDP's gradient all-reduces run in C++; a communication hook makes them visible to the recorder.
-        self._model.register_comm_hook(state=None, hook=_recorded_allreduce)
+        self._wrapped.register_comm_hook(state=None, hook=_recorded_allreduce)
 
     @property
-    def unwrapped(self) -> torch.nn.Module:
-        return self._plain
-
-    def sum_across_ranks(self, values: list[float]) -> list[float]:
-        return all_reduce_sum(values, self.info)
+    def model(self) -> torch.nn.Module:
+        return self._wrapped
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if last else self._model.no_sync()
+        return contextlib.nullcontext() if last else self._wrapped.no_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
         # DDP averages gradients over ranks; the loss is already normalised by the global target count.
-        (self._scaled(loss) * self.info.world_size).backward()
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        # After the all-reduce every rank holds the same gradients, hence the same norm.
-        return global_grad_norm(list(self._plain.parameters()), max_norm)
+        # After the all-reduce every rank holds the same gradients, hence the same norm in `step`.
+        (self.scaled(loss) * self.info.world_size).backward()

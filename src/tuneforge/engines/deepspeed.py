@@ -11,16 +11,16 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tuneforge.config.schema import ParallelConfig, TrainConfig
-from tuneforge.distributed import DistInfo, all_reduce_sum
+from tuneforge.distributed import DistInfo
+from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
 from tuneforge.errors import UserError
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.moe import MoEMap
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -76,33 +76,62 @@ def fp16_config(train: TrainConfig) -> dict[str, Any]:
     }
 
 
-class DeepSpeedEngine:
-    name = "deepspeed"
+class DeepSpeedEngine(Engine):
+    scales_fp16_loss = False  # DeepSpeed's own scaler, with the same settings (`fp16_config`)
+
+    @classmethod
+    def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
+        stage = parallel.zero_stage
+        return EngineTraits(
+            name="deepspeed",
+            label=f"deepspeed ZeRO-{stage}",
+            shard_stage=stage,
+            casts_parameters=train.precision == "fp16" or (train.precision == "bf16" and device == "cuda"),
+            reduces_every_micro_batch=True,
+            # ZeRO-3 partitions the output layer again as soon as its forward ends: the loss uses the logits.
+            fuses_output_layer=stage < 3,
+            # DeepSpeed applies a bf16/fp32 step whatever the gradients; it skips overflowing steps only under fp16.
+            skips_nonfinite=train.precision == "fp16",
+            compiles=False,
+            moe_safety="gathered whole as ZeRO-3 leaf modules" if stage == 3 and parallel.moe_safety else "",
+        )
 
     def __init__(
         self,
         model: torch.nn.Module,
-        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+        make_optimizer: OptimizerFactory,
         info: DistInfo,
         parallel: ParallelConfig,
         train: TrainConfig,
-        bf16: bool,
+        moe: MoEMap | None = None,
     ):
         import deepspeed
 
-        self.info = info
-        self.sharded = parallel.zero_stage == 3
-        # DeepSpeed applies a bf16/fp32 step whatever the gradients; it skips overflowing steps only under fp16.
-        self.skips_nonfinite = train.precision == "fp16"
-        blocks = find_moe_blocks(model)
-        if self.sharded and blocks and parallel.moe_safety:
-            deepspeed.utils.set_z3_leaf_modules(model, sorted({type(b.module) for b in blocks}, key=str))
+        super().__init__(info, parallel, train, moe)
+        bf16 = train.precision == "bf16" and info.device.type == "cuda"
+        self.config = deepspeed_config(parallel, train, info.world_size, bf16)
+        self._check_overrides(parallel, train)
+        if self.traits.moe_safety and self.moe:
+            deepspeed.utils.set_z3_leaf_modules(model, self.moe.block_classes)
         if parallel.cpu_offload != "all":
             model = model.to(info.device)
-        self.config = deepspeed_config(parallel, train, info.world_size, bf16)
         self._engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=make_optimizer(model), config=self.config, dist_init_required=False
         )
+
+    def _check_overrides(self, parallel: ParallelConfig, train: TrainConfig) -> None:
+        """Settings the run relies on must come from our config, where the doctor and the loop see them."""
+        merged_stage = self.config["zero_optimization"].get("stage", parallel.zero_stage)
+        if merged_stage != parallel.zero_stage:
+            raise UserError(
+                f"parallel.deepspeed_config sets zero_optimization.stage={merged_stage}; set parallel.zero_stage "
+                "instead (the doctor, the MoE safety and checkpoints follow it)"
+            )
+        if self.config["gradient_clipping"] != train.max_grad_norm:
+            raise UserError(
+                f"parallel.deepspeed_config sets gradient_clipping={self.config['gradient_clipping']}; set "
+                "train.max_grad_norm instead"
+            )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -111,9 +140,6 @@ class DeepSpeedEngine:
     @property
     def unwrapped(self) -> torch.nn.Module:
         return self._engine.module
-
-    def sum_across_ranks(self, values: list[float]) -> list[float]:
-        return all_reduce_sum(values, self.info)
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         # Our steps may take fewer micro-batches than `gradient_accumulation` (the end of an epoch).
@@ -132,9 +158,15 @@ class DeepSpeedEngine:
         return float(self.optimizer.cur_scale)
 
     def step(self, lr: float, max_grad_norm: float) -> float:
+        # DeepSpeed clips inside its own step, to the `gradient_clipping` it was built with.
+        if max_grad_norm != self.config["gradient_clipping"]:
+            raise ValueError(
+                f"DeepSpeed clips to gradient_clipping={self.config['gradient_clipping']} from its config; "
+                f"a step cannot ask for {max_grad_norm}"
+            )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self._engine.step()  # clips to `gradient_clipping` from the generated config
+        self._engine.step()
         if self.skips_nonfinite and getattr(self.optimizer, "overflow", False):
             return float("inf")
         norm = self._engine.get_global_grad_norm()
@@ -152,7 +184,7 @@ class DeepSpeedEngine:
             raise ValueError(f"resume: DeepSpeed found no checkpoint in {directory}")
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if not self.sharded:
+        if not self.traits.sharded:
             return None
         state = self._engine._zero3_consolidated_16bit_state_dict()  # collective: all ranks take part
         return state if self.info.is_main else None

@@ -8,7 +8,6 @@ issues the same all-gathers and reduce-scatters.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,38 +21,52 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from tuneforge.distributed import DistInfo, all_reduce_sum
-from tuneforge.engines.loss_scale import LossScaler
-from tuneforge.engines.single import global_grad_norm, scaled_step
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.config.schema import ParallelConfig, TrainConfig
+from tuneforge.distributed import DistInfo
+from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
+from tuneforge.model.moe import MoEMap
 from tuneforge.model.structure import decoder_layers
 
 
-class FSDPEngine:
-    name = "fsdp"
-    sharded = True
-    skips_nonfinite = True
+class FSDPEngine(Engine):
+    @classmethod
+    def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
+        return EngineTraits(
+            name="fsdp",
+            label="fsdp (FSDP2)",
+            shard_stage=3,
+            casts_parameters=False,
+            reduces_every_micro_batch=False,
+            # The output layer belongs to the root unit, which FSDP2 keeps unsharded from forward to backward.
+            fuses_output_layer=True,
+            skips_nonfinite=True,
+            compiles=False,
+            moe_safety="gathered whole inside their decoder layer's FSDP unit, zero gradients reduced for idle experts"
+            if parallel.moe_safety
+            else "",
+        )
 
     def __init__(
         self,
         model: torch.nn.Module,
-        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+        make_optimizer: OptimizerFactory,
         info: DistInfo,
-        cpu_offload: bool = False,
-        bf16_params: bool = False,
-        moe_safety: bool = True,
-        scaler: LossScaler | None = None,
+        parallel: ParallelConfig | None = None,
+        train: TrainConfig | None = None,
+        moe: MoEMap | None = None,
     ):
-        self.info = info
-        self.scaler = scaler
+        super().__init__(info, parallel, train, moe)
+        parallel, train = parallel or ParallelConfig(), train or TrainConfig(precision="fp32")
+        cpu_offload = parallel.cpu_offload == "all"
         mesh = init_device_mesh(info.device.type, (info.world_size,))
         options: dict = {"mesh": mesh}
-        if bf16_params:
+        # bf16 parameters pay off on GPUs; on CPU, autocast does the bf16 compute with fp32 weights.
+        if train.precision == "bf16" and info.device.type == "cuda":
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if cpu_offload:
             # Pinned host memory speeds up copies to a GPU and does not exist without one.
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
-        if not cpu_offload:
+        else:
             model = model.to(info.device)
         # The root unit is the Hugging Face model itself, inside a PEFT wrapper if there is one: generation calls
         # that model's forward directly, and its hooks are what gather the root's parameters (the embeddings).
@@ -61,7 +74,7 @@ class FSDPEngine:
         for layer in decoder_layers(root):
             fully_shard(layer, **options)
         fully_shard(root, **options)
-        if moe_safety and find_moe_blocks(root):
+        if self.traits.moe_safety and self.moe:
             # Experts that receive no tokens on one rank have no gradient there: reduce zeros for them, so
             # every rank's reduce-scatter has the same size.
             root.set_reduce_scatter_unused_params(True)
@@ -78,27 +91,17 @@ class FSDPEngine:
     def unwrapped(self) -> torch.nn.Module:
         return self._model
 
-    def sum_across_ranks(self, values: list[float]) -> list[float]:
-        return all_reduce_sum(values, self.info)
-
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         self._root.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         # The reduce-scatter averages over ranks; the loss is already normalised by the global target count.
-        scaled = self.scaler.scaled(loss) if self.scaler is not None else loss
-        (scaled * self.info.world_size).backward()
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return global_grad_norm(list(self._model.parameters()), max_norm)
-
-    @property
-    def loss_scale(self) -> float | None:
-        return self.scaler.scale if self.scaler is not None else None
+        (self.scaled(loss) * self.info.world_size).backward()
 
     def step(self, lr: float, max_grad_norm: float) -> float:
-        return scaled_step(self, self.optimizer, self._model.parameters(), lr, max_grad_norm)
+        # The norm of sharded (DTensor) gradients is a collective: every rank computes the same.
+        return self._clipped_step(self._model.parameters(), lr, max_grad_norm)
 
     def save_state(self, directory: Path) -> None:
         model_state, optimizer_state = get_state_dict(self._model, self.optimizer)

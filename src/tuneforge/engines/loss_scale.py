@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from tuneforge.config.schema import TrainConfig
+
 
 class LossScaler:
     def __init__(
@@ -27,6 +29,13 @@ class LossScaler:
         """Steps in a row without overflow since the scale last changed."""
         self.overflows = 0
         """Overflowing (skipped) steps in this run so far."""
+
+    @classmethod
+    def for_config(cls, train: TrainConfig) -> LossScaler | None:
+        """The scaler `train` asks for: dynamic unless `loss_scale` fixes it; None without fp16."""
+        if train.precision != "fp16":
+            return None
+        return cls(train.loss_scale or train.initial_loss_scale, train.loss_scale_window, train.loss_scale is None)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale

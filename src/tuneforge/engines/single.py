@@ -2,98 +2,57 @@
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
-from tuneforge.engines.loss_scale import LossScaler
+from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
+from tuneforge.model.moe import MoEMap
 
 
-def global_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
-    """The gradients' global norm before clipping; clipped to `max_norm` (0: not clipped) when finite. Works on
-    sharded (DTensor) gradients too: the norm is then a collective."""
-    with_grads = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
-    norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
-    if max_norm > 0 and math.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
-    return norm
-
-
-def apply_step(optimizer: torch.optim.Optimizer, norm: float, lr: float) -> None:
-    """Step unless the gradients are not finite: a skipped step leaves weights and optimizer moments as they
-    were (the loop reports it and stops after too many in a row)."""
-    if math.isfinite(norm):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def scaled_step(engine, optimizer, parameters, lr: float, max_grad_norm: float) -> float:
-    """Unscale fp16 gradients (when scaling), clip, step unless not finite, then let the scaler adapt."""
-    scaler: LossScaler | None = engine.scaler
-    if scaler is not None:
-        scaler.unscale_(parameters)
-    norm = engine.clip_grad_norm(max_grad_norm)
-    apply_step(optimizer, norm, lr)
-    if scaler is not None:
-        scaler.update(math.isfinite(norm))
-    return norm
-
-
-class SingleEngine:
-    name = "single"
-    sharded = False
-    skips_nonfinite = True
+class SingleEngine(Engine):
+    @classmethod
+    def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
+        return EngineTraits(
+            name="single",
+            label="single",
+            shard_stage=0,
+            casts_parameters=False,
+            reduces_every_micro_batch=False,
+            fuses_output_layer=True,
+            skips_nonfinite=True,
+            compiles=True,
+            moe_safety="",
+        )
 
     def __init__(
         self,
         model: torch.nn.Module,
-        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+        make_optimizer: OptimizerFactory,
         info: DistInfo | None = None,
-        scaler: LossScaler | None = None,
+        parallel: ParallelConfig | None = None,
+        train: TrainConfig | None = None,
+        moe: MoEMap | None = None,
     ):
-        info = info or DistInfo(0, 1, 0, next(model.parameters()).device)
-        self.info = info
-        self.scaler = scaler
-        self._model = model.to(info.device)
-        self.optimizer = make_optimizer(self._model)
+        super().__init__(info or DistInfo(0, 1, 0, next(model.parameters()).device), parallel, train, moe)
+        self._plain = model.to(self.info.device)
+        self.optimizer = make_optimizer(self._plain)
 
     @property
     def model(self) -> torch.nn.Module:
-        return self._model
+        return self._plain
 
     @property
     def unwrapped(self) -> torch.nn.Module:
-        return self._model
-
-    def sum_across_ranks(self, values: list[float]) -> list[float]:
-        return list(values)
-
-    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    @property
-    def loss_scale(self) -> float | None:
-        return self.scaler.scale if self.scaler is not None else None
+        return self._plain
 
     def backward(self, loss: torch.Tensor) -> None:
-        self._scaled(loss).backward()
+        self.scaled(loss).backward()
 
-    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scaled(loss) if self.scaler is not None else loss
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return global_grad_norm(list(self._model.parameters()), max_norm)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return None
+    def step(self, lr: float, max_grad_norm: float) -> float:
+        return self._clipped_step(self._plain.parameters(), lr, max_grad_norm)
 
     def save_state(self, directory: Path) -> None:
         # Frozen weights (a LoRA base) are rebuilt identically at start; only what trains is saved.
@@ -115,6 +74,3 @@ class SingleEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None:
             self.scaler.load(directory)
-
-    def step(self, lr: float, max_grad_norm: float) -> float:
-        return scaled_step(self, self.optimizer, self.unwrapped.parameters(), lr, max_grad_norm)

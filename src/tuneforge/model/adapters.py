@@ -18,7 +18,7 @@ from torch import nn
 
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.errors import UserError
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.quantize import matches_module_name
 
 
@@ -49,14 +49,11 @@ def _matches(name: str, targets: str | list[str]) -> bool:
     return matches_module_name(name, targets)
 
 
-def resolve_lora_targets(model: nn.Module, settings: LoraSettings) -> LoraTargets:
-    blocks = find_moe_blocks(model)
-    routers = {id(block.router) for block in blocks}
-    expert_roots = [f"{block.name}.{block.experts_name}" if block.name else block.experts_name for block in blocks]
+def resolve_lora_targets(model: nn.Module, settings: LoraSettings, moe: MoEMap | None = None) -> LoraTargets:
+    """Targets on the base model `model`, whose MoE map is `moe` (found on it when not given)."""
+    moe = moe if moe is not None else find_moe(model)
+    routers = {id(router) for router in moe.routers()}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-
-    def in_experts(name: str) -> bool:
-        return any(name == root or name.startswith(root + ".") for root in expert_roots)
 
     modules, parameters, skipped = [], [], 0
     for name, module in model.named_modules():
@@ -64,20 +61,19 @@ def resolve_lora_targets(model: nn.Module, settings: LoraSettings) -> LoraTarget
             continue
         if not _matches(name, settings.targets):
             continue
-        if in_experts(name) and not settings.experts:
+        if moe.in_experts(name) and not settings.experts:
             skipped += 1
             continue
         modules.append(name)
-    for block in blocks:
+    for block in moe:
         if block.layout != "stacked":
             continue
-        experts = getattr(block.module, block.experts_name)
-        root = f"{block.name}.{block.experts_name}" if block.name else block.experts_name
-        for param_name, param in experts.named_parameters(recurse=False):
-            if param.ndim != 3 or not _matches(f"{root}.{param_name}", settings.targets):
+        for param_name, shape in block.expert_shapes:
+            full = f"{block.experts_path}.{param_name}"
+            if len(shape) != 3 or "." in param_name or not _matches(full, settings.targets):
                 continue
             if settings.experts:
-                parameters.append(f"{root}.{param_name}")
+                parameters.append(full)
             else:
                 skipped += 1
     if not modules and not parameters:
@@ -112,11 +108,11 @@ def exact_targets(model: nn.Module) -> Iterator[None]:
             del config.model_type
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings) -> tuple[nn.Module, str]:
+def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap | None = None) -> tuple[nn.Module, str]:
     """The PEFT model with adapters on the resolved targets, and a line saying where they went."""
     from peft import LoraConfig, get_peft_model
 
-    targets = resolve_lora_targets(model, settings)
+    targets = resolve_lora_targets(model, settings, moe)
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
@@ -156,8 +152,12 @@ def freeze_parameters(model: nn.Module, patterns: list[str]) -> str:
     return f"freeze: {frozen} parameter tensors frozen by model.freeze"
 
 
-def make_trainable(model: nn.Module, cfg: ModelConfig, gradient_checkpointing: bool) -> tuple[nn.Module, list[str]]:
-    """k-bit preparation, activation checkpointing, then adapters or freezing; lines saying what was done."""
+def make_trainable(
+    model: nn.Module, cfg: ModelConfig, gradient_checkpointing: bool, moe: MoEMap | None = None
+) -> tuple[nn.Module, list[str]]:
+    """k-bit preparation, activation checkpointing, then adapters or freezing; lines saying what was done.
+    `moe`: the base model's MoE map (found on `model` before anything wraps it when not given)."""
+    moe = moe if moe is not None else find_moe(model)
     notes = []
     checkpointing = {"use_reentrant": False}  # the non-reentrant form needs no input gradients and nests safely
     if cfg.quantization is not None:
@@ -175,7 +175,7 @@ def make_trainable(model: nn.Module, cfg: ModelConfig, gradient_checkpointing: b
     if gradient_checkpointing:
         notes.append("gradient checkpointing: on (activations recomputed in backward)")
     if cfg.lora is not None:
-        model, note = apply_lora(model, cfg.lora)
+        model, note = apply_lora(model, cfg.lora, moe)
         notes.append(note)
     elif cfg.freeze:
         notes.append(freeze_parameters(model, cfg.freeze))

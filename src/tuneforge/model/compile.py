@@ -18,9 +18,9 @@ import shutil
 import torch
 from torch import nn
 
+from tuneforge.engines.base import EngineTraits
 from tuneforge.errors import UserError
 
-ENGINES = ("single", "ddp")
 """Engines whose hooks are outside the compiled modules. FSDP2 and DeepSpeed hook the parameters of every
 sharded module; compiling through those hooks is not something tuneforge has tested."""
 
@@ -36,12 +36,11 @@ def is_gated_mlp(module: nn.Module) -> bool:
     )
 
 
-def check_compiler(device: torch.device, engine: str) -> None:
+def check_compiler(device: torch.device, traits: EngineTraits) -> None:
     """Fail before the model loads, with the fix, rather than at the first compiled call."""
-    if engine not in ENGINES:
+    if not traits.compiles:
         raise UserError(
-            f"train.compile: supported with parallel.engine {' or '.join(ENGINES)}, not {engine}; "
-            "set train.compile=false"
+            f"train.compile: supported with parallel.engine single or ddp, not {traits.label}; set train.compile=false"
         )
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:

@@ -1,10 +1,10 @@
 """The router's auxiliary load-balancing loss, for any MoE model whose routers output their logits.
 
-Router logits are recorded with forward hooks on the router modules found by structure, rather than
-through `output_router_logits`: `transformers` then computes its own balance loss from the attention
-mask, which breaks on the 4-D block-diagonal masks of packed batches, and remote-code models differ
-in how they return it. Recording is switched on only around training forward passes, so generation
-and activation recomputation during backward never add entries.
+Router logits, and the experts each router chose, are recorded with forward hooks on the routers of the
+run's MoE map, rather than through `output_router_logits`: `transformers` then computes its own balance
+loss from the attention mask, which breaks on the 4-D block-diagonal masks of packed batches, and
+remote-code models differ in how they return it. Recording is switched on only around training forward
+passes, so generation and activation recomputation during backward never add entries.
 """
 
 from __future__ import annotations
@@ -16,18 +16,23 @@ import torch
 from torch import nn
 
 from tuneforge.errors import UserError
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.moe import MoEMap
 
 DEFAULT_COEF = 0.001
 """The coefficient Mixtral, Qwen-MoE and DeepSeek-V2 were trained with."""
 
 
-def routing_stats(logits: torch.Tensor, top_k: int, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-k assignments per expert, summed router probability per expert) over the weighted tokens.
-    The counts carry no gradient (top-k is piecewise constant); the probability sums do."""
+def routing_stats(
+    logits: torch.Tensor, top_k: int, weights: torch.Tensor, chosen: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(assignments per expert, summed router probability per expert) over the weighted tokens. `chosen`: the
+    experts the router picked per token (tokens x top_k); None recomputes a softmax top-k, which is what
+    greedy routers pick. The counts carry no gradient (routing is piecewise constant); the probability sums do."""
     probs = logits.reshape(-1, logits.size(-1)).float().softmax(dim=-1)
     weights = weights.to(probs.device)
-    chosen = probs.topk(top_k, dim=-1).indices.reshape(-1)
+    if chosen is None:
+        chosen = probs.topk(top_k, dim=-1).indices
+    chosen = chosen.reshape(-1)
     counts = torch.zeros(probs.size(-1), device=probs.device).index_add_(0, chosen, weights.repeat_interleave(top_k))
     return counts.detach(), (probs * weights[:, None]).sum(dim=0)
 
@@ -53,24 +58,34 @@ def balance_loss(layer_logits: list[torch.Tensor], top_k: int, token_mask: torch
 class RouterBalance:
     """Records router logits during `capture()` and turns them into the balance loss of that forward."""
 
-    def __init__(self, routers: list[nn.Module], num_experts: int, top_k: int, coef: float):
+    def __init__(self, routers: list[nn.Module], num_experts: int, top_k: int, coef: float, greedy: bool = True):
         self.num_experts = num_experts
         self.top_k = top_k
         self.coef = coef
+        self.greedy = greedy
+        """Whether a softmax top-k reproduces the routing, for routers that return only their logits."""
         self._recording = False
-        self._logits: list[torch.Tensor] = []
+        self._logits: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._handles = [router.register_forward_hook(self._record) for router in routers]
 
     def _record(self, _module: nn.Module, _inputs: object, output: object) -> None:
         if not self._recording:
             return
-        logits = output[0] if isinstance(output, tuple) else output
-        if not isinstance(logits, torch.Tensor) or logits.size(-1) != self.num_experts:
+        outputs = output if isinstance(output, tuple) else (output,)
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        logits = next((t for t in tensors if t.is_floating_point() and t.size(-1) == self.num_experts), None)
+        chosen = next((t for t in tensors if not t.is_floating_point() and t.size(-1) == self.top_k), None)
+        if logits is None or outputs[0] is not logits:
             raise UserError(
                 "train.router_aux_loss_coef: this model's router does not return its logits first; "
                 "set train.router_aux_loss_coef=0"
             )
-        self._logits.append(logits)
+        if chosen is None and not self.greedy:
+            raise UserError(
+                "train.router_aux_loss_coef: this model's router returns its logits but not the experts it chose, "
+                "and its routing is not a plain top-k; set train.router_aux_loss_coef=0"
+            )
+        self._logits.append((logits, chosen))
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -96,7 +111,7 @@ class RouterBalance:
         if not logits:
             raise RuntimeError("no router logits were recorded in this forward pass")
         weights = token_mask.reshape(-1).float()
-        stats = [routing_stats(layer, self.top_k, weights) for layer in logits]
+        stats = [routing_stats(layer, self.top_k, weights, chosen) for layer, chosen in logits]
         counts = torch.stack([c for c, _ in stats])
         prob_sums = torch.stack([p for _, p in stats])
         summed = sum_across_ranks([*counts.flatten().tolist(), float(weights.sum()), float(num_targets)])
@@ -109,15 +124,17 @@ class RouterBalance:
             handle.remove()
 
 
-def attach_router_balance(model: nn.Module, requested_coef: float | None) -> tuple[RouterBalance | None, str]:
-    """Hooks for the balance loss on MoE models, and a line saying what was chosen. `requested_coef` None
-    takes the model config's `router_aux_loss_coef`, else DEFAULT_COEF; 0 turns the loss off."""
-    blocks = find_moe_blocks(model)
+def attach_router_balance(
+    moe: MoEMap, config: object, requested_coef: float | None
+) -> tuple[RouterBalance | None, str]:
+    """Hooks for the balance loss on the routers of `moe` (the run's MoE map), and a line saying what was
+    chosen. `config`: the model config. `requested_coef` None takes the model config's `router_aux_loss_coef`,
+    else DEFAULT_COEF; 0 turns the loss off."""
+    blocks = list(moe)
     if not blocks:
         if requested_coef:
             raise UserError("train.router_aux_loss_coef: the model has no MoE layers; remove the setting")
         return None, ""
-    config = getattr(model, "config", None)
     coef = requested_coef
     source = "train.router_aux_loss_coef"
     if coef is None:
@@ -125,7 +142,7 @@ def attach_router_balance(model: nn.Module, requested_coef: float | None) -> tup
         coef, source = (configured, "the model config") if configured is not None else (DEFAULT_COEF, "default")
     if coef == 0:
         return None, "router balance loss: off (train.router_aux_loss_coef=0)"
-    top_k = getattr(config, "num_experts_per_tok", None)
+    top_k = moe.top_k
     if top_k is None and requested_coef is None:
         return None, "router balance loss: off (the model config has no num_experts_per_tok)"
     if top_k is None:
@@ -136,7 +153,10 @@ def attach_router_balance(model: nn.Module, requested_coef: float | None) -> tup
     counts = {block.num_experts for block in blocks}
     if len(counts) != 1:
         raise UserError(f"train.router_aux_loss_coef: MoE layers with different expert counts {sorted(counts)}")
-    balance = RouterBalance([block.router for block in blocks], counts.pop(), int(top_k), float(coef))
+    greedy = all(block.routing.startswith("softmax") for block in blocks)
+    balance = RouterBalance(moe.routers(), counts.pop(), int(top_k), float(coef), greedy)
+    routing = "; ".join(sorted({block.routing for block in blocks}))
     return balance, (
-        f"router balance loss: coefficient {coef:g} ({source}) over {len(blocks)} MoE layers, top-{top_k} routing"
+        f"router balance loss: coefficient {coef:g} ({source}) over {len(blocks)} MoE layers, top-{top_k} routing "
+        f"({routing}), counted on the experts each router chose"
     )

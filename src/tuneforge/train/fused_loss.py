@@ -117,14 +117,13 @@ def linear_cross_entropy_sum(
 
 def plain_output_layer(model: nn.Module) -> nn.Linear | None:
     """The model's output layer when the fused loss can use its weight directly: a bias-free `nn.Linear` whose
-    weight is whole after the forward. Adapted (LoRA), wrapped or quantized output layers, and ZeRO-3's
-    partitioned ones, return None and take the standard path through the model's logits. Under FSDP2 the
-    output layer belongs to the root unit, which keeps its parameters unsharded from the forward until the
-    end of backward (FSDP2's default for the root): its gradient then joins the root's reduce-scatter."""
+    weight is whole after the forward. Adapted (LoRA), wrapped or quantized output layers return None and take
+    the standard path through the model's logits, as do engines that partition it (ZeRO-3: the engine says so).
+    Under FSDP2 the output layer belongs to the root unit, which keeps its parameters unsharded from the forward
+    until the end of backward (FSDP2's default for the root): its gradient then joins the root's reduce-scatter."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear or head.bias is not None:
         return None
-    weight = head.weight
-    if hasattr(weight, "ds_id") or weight.dim() != 2 or weight.numel() == 0:  # ZeRO-3 partitions parameters
+    if head.weight.dim() != 2 or head.weight.numel() == 0:
         return None
     return head

@@ -71,12 +71,13 @@ def accumulate_gradients(
     assert total_targets > 0, "tokenization drops samples without targets"
     loss_total = torch.zeros(())
     aux_total = torch.zeros(())
+    fuse = engine.traits.fuses_output_layer
     for index, batch in enumerate(micro_batches, start=1):
         if on_micro_start is not None:
             on_micro_start(index)
         with engine.micro_step(last=index == len(micro_batches)):
             with balance.capture() if balance is not None else contextlib.nullcontext():
-                loss = loss_sum(engine.model, batch, precision, engine.unwrapped) / total_targets
+                loss = loss_sum(engine.model, batch, precision, engine.unwrapped, fuse) / total_targets
             if poison_loss:  # fault injection only: a NaN loss, as a bad sample or an overflow would give
                 loss = loss * float("nan")
             objective = loss

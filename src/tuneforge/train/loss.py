@@ -23,14 +23,22 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-def loss_sum(model: torch.nn.Module, batch: MicroBatch, precision: str, plain: torch.nn.Module | None = None):
+def loss_sum(
+    model: torch.nn.Module,
+    batch: MicroBatch,
+    precision: str,
+    plain: torch.nn.Module | None = None,
+    fuse: bool = True,
+) -> torch.Tensor:
     """Sum of cross-entropy over the batch's target tokens (fp32 reduction). `model` may be an engine's
-    wrapper; `plain` is the Hugging Face model inside it (for its config and output layer)."""
+    wrapper; `plain` is the Hugging Face model inside it (for its config and output layer). `fuse`: whether
+    the engine leaves the output layer's weight whole after the forward (`EngineTraits.fuses_output_layer`),
+    so the loss may apply it to the labelled tokens itself."""
     plain = plain if plain is not None else model
     device = next(plain.parameters()).device
     targets = batch.targets.to(device)
     inputs = model_inputs(plain, batch, device)
-    head = fused_output_layer(plain)
+    head = fused_output_layer(plain) if fuse else None
     with autocast(precision, device):
         if head is None:
             logits = model(**inputs, use_cache=False).logits

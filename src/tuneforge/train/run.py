@@ -20,12 +20,13 @@ from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.distributed import DistInfo, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
-from tuneforge.engines import Engine, build_engine, choose_engine
+from tuneforge.engines import Engine, build_engine, choose_engine, engine_traits
 from tuneforge.errors import UserError
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import build_model, build_tokenizer, count_parameters
 from tuneforge.model.compile import check_compiler, compile_elementwise
+from tuneforge.model.moe import find_moe
 from tuneforge.model.router_balance import attach_router_balance
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.loop import Trainer
@@ -160,13 +161,17 @@ def _train(
                 "doctor: " + "; ".join(f"{c.name}: {c.fix}" for c in failed) + " (watchdog.doctor=warn to go on)"
             )
 
+    traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
     if cfg.train.compile:
-        check_compiler(info.device, engine_name)
+        check_compiler(info.device, traits)
     watchdog.beat("model", training=False)
-    sharded_engine = engine_name == "fsdp" or (engine_name == "deepspeed" and cfg.parallel.zero_stage == 3)
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", sharded_engine)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded)
     architecture = type(model).__name__
-    model, notes = make_trainable(model, cfg.model, cfg.train.gradient_checkpointing)
+    model_config = model.config
+    moe = find_moe(model)  # on the base model: adapters on experts hide their stacked layout
+    if moe:
+        say(moe.describe())
+    model, notes = make_trainable(model, cfg.model, cfg.train.gradient_checkpointing, moe)
     for note in notes:
         say(note)
     if cfg.train.compile:
@@ -177,13 +182,15 @@ def _train(
         f"({100 * trainable / total:.2f}%), weights {cfg.model.dtype}, compute {cfg.train.precision}"
     )
 
-    balance, balance_note = attach_router_balance(model, cfg.train.router_aux_loss_coef)
+    balance, balance_note = attach_router_balance(moe, model_config, cfg.train.router_aux_loss_coef)
     if balance_note:
         say(balance_note)
 
-    active_parameters = active_matmul_parameters(model)  # before an engine shards it
+    active_parameters = active_matmul_parameters(model, moe)  # before an engine shards it
     seed_everything(cfg.train.seed)
-    engine = build_engine(engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train)
+    engine = build_engine(
+        engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe
+    )
     planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
     RECORDER.track_modules(engine.unwrapped)
     validation = None

@@ -8,7 +8,7 @@ import resource
 import torch
 from torch import nn
 
-from tuneforge.model.moe import find_moe_blocks
+from tuneforge.model.moe import MoEMap
 from tuneforge.model.quantize import stored_numel
 
 GPU_PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -22,19 +22,15 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kilobytes on Linux
 
 
-def active_matmul_parameters(model: nn.Module) -> int:
+def active_matmul_parameters(model: nn.Module, moe: MoEMap) -> int:
     """Parameters a token multiplies with: all but the input embedding, and for MoE only the routed experts
-    a token is sent to (top_k of num_experts). Call it before an engine shards the model."""
+    a token is sent to (top_k of num_experts, from the run's MoE map). Call it before an engine shards the
+    model."""
     total = sum(stored_numel(p) for p in model.parameters())
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embedding is not None:
         total -= embedding.weight.numel()
-    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
-    for block in find_moe_blocks(model):
-        experts = sum(stored_numel(p) for p in getattr(block.module, block.experts_name).parameters())
-        if top_k:
-            total -= int(experts * (1 - top_k / block.num_experts))
-    return total
+    return total - moe.idle_numel()
 
 
 def peak_flops(device: torch.device) -> float | None:

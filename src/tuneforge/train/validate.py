@@ -40,7 +40,7 @@ def validation_loss(engine: Engine, batches: list[MicroBatch], precision: str) -
     engine.model.eval()
     total, targets = 0.0, 0
     for batch in batches:
-        total += float(loss_sum(engine.model, batch, precision, engine.unwrapped))
+        total += float(loss_sum(engine.model, batch, precision, engine.unwrapped, engine.traits.fuses_output_layer))
         targets += batch.num_targets
     engine.model.train()
     total, targets = engine.sum_across_ranks([total, targets])
