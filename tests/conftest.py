@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,58 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tuneforge.data.byte_tokenizer import build_byte_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
+TUNEFORGE = str(Path(sys.executable).parent / "tuneforge")
+"""The command users run, from this environment."""
+
+TINY_MODELS = {
+    "llama": "{architecture: llama, tokenizer: bytes, size: {hidden_size: 32, intermediate_size: 64, "
+    "num_hidden_layers: 2, num_attention_heads: 4}}",
+    "deepseek_v2": "{architecture: deepseek_v2, tokenizer: bytes, size: {hidden_size: 32, intermediate_size: 64, "
+    "moe_intermediate_size: 16, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 4, "
+    "n_routed_experts: 4, num_experts_per_tok: 2, n_shared_experts: 1, first_k_dense_replace: 1, kv_lora_rank: 16, "
+    "q_lora_rank: null, qk_rope_head_dim: 8, qk_nope_head_dim: 8, v_head_dim: 8}}",
+    "mixtral": "{architecture: mixtral, tokenizer: bytes, size: {hidden_size: 32, intermediate_size: 64, "
+    "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, num_local_experts: 4, "
+    "num_experts_per_tok: 2}}",
+    "qwen3_moe": "{architecture: qwen3_moe, tokenizer: bytes, size: {hidden_size: 32, intermediate_size: 64, "
+    "moe_intermediate_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, "
+    "num_experts: 4, num_experts_per_tok: 2}}",
+}
+"""The `model:` section of a config for each tiny model the CLI tests train (a fresh model, the byte tokenizer)."""
+
+TINY_LLAMA = f"model: {TINY_MODELS['llama']}\n"
+"""The first line of a config that trains the tiny Llama."""
+
+ENGINES = {
+    "ddp": ["parallel.engine=ddp"],
+    "fsdp": ["parallel.engine=fsdp"],
+    "zero2": ["parallel.engine=deepspeed", "parallel.zero_stage=2"],
+    "zero3_offload": ["parallel.engine=deepspeed", "parallel.zero_stage=3", "parallel.cpu_offload=all"],
+}
+"""Overrides that pick each multi-rank engine set-up the tests cover."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(
+    config: Path, work_dir: Path, *extra: str, ranks: int = 1, fault: str = "", timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`tuneforge train CONFIG --work-dir WORK_DIR EXTRA...` as users run it, with the launcher's flags for
+    several ranks; `fault` goes to TUNEFORGE_INJECT_FAULT."""
+    command = [TUNEFORGE, "train", str(config), "--work-dir", str(work_dir), *extra]
+    if ranks > 1:
+        command += ["--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": fault}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def metrics(work_dir: Path) -> list[dict]:
+    """The records of a run's `metrics.jsonl`."""
+    return [json.loads(line) for line in (work_dir / "metrics.jsonl").open()]
 
 
 @pytest.fixture(scope="session")

@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tuneforge.config import load_config
 
-from conftest import REPO
+from conftest import REPO, TUNEFORGE
 
-TUNEFORGE = str(Path(sys.executable).parent / "tuneforge")
 OVERRIDES = [
     "train.max_steps=40",
     "train.warmup_steps=5",

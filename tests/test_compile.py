@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.data.batching import collate
+from tuneforge.engines import engine_traits
 from tuneforge.errors import UserError
 from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.train.loop import accumulate_gradients
@@ -37,4 +39,4 @@ def test_compiled_layers_give_eager_losses_and_gradients(tokenizer):
 @pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
 def test_compile_is_refused_where_untested(engine):
     with pytest.raises(UserError, match=f"parallel.engine single or ddp, not {engine}"):
-        check_compiler(torch.device("cpu"), engine)
+        check_compiler(torch.device("cpu"), engine_traits(engine, ParallelConfig(), TrainConfig()))

@@ -181,3 +181,24 @@ def test_the_recommended_config_is_faster_than_the_original(deepseek):
     fast = estimate(ours, deepseek, "fsdp", 8, H100)
     assert fast.fits and slow.fits
     assert fast.tokens_per_step / fast.step_s > 3 * slow.tokens_per_step / slow.step_s
+
+
+def test_the_doctor_offers_every_accelerator_the_table_knows():
+    from tuneforge.cli import GPU_CHOICES
+
+    assert list(ACCELERATORS) == GPU_CHOICES
+
+
+@pytest.mark.parametrize(
+    ("reported", "memory", "key"),
+    [("NVIDIA H200", 139.8, "h200"), ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40gb"), ("NVIDIA L40S", 44.5, "l40s")],
+)
+def test_a_device_name_finds_its_row_in_the_one_table(reported, memory, key):
+    from tuneforge.estimate.hardware import accelerator_for
+
+    found = accelerator_for(reported, memory)
+    assert (found.bf16_flops, found.memory_bytes_per_s) == (
+        ACCELERATORS[key].bf16_flops,
+        ACCELERATORS[key].memory_bytes_per_s,
+    )
+    assert accelerator_for("Some Future GPU", 200.0).bf16_flops is None

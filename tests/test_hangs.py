@@ -4,19 +4,17 @@ limit plus a bounded slack. (The legacy-MoE case lives in test_moe_legacy.py.)""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import time
 
-from test_distributed import TUNEFORGE, free_port
+from conftest import TINY_LLAMA, TUNEFORGE, chat, free_port, launch, write_jsonl
 
-from conftest import chat, write_jsonl
-
-CONFIG = """\
-model:
-  architecture: llama
-  size: {{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4}}
-  tokenizer: bytes
+CONFIG = (
+    TINY_LLAMA.replace("{", "{{").replace("}", "}}")
+    + """\
 data: {{train_files: [train.jsonl], cache_dir: null}}
 train: {{lr: 1.0e-3, micro_batch_size: 2, gradient_accumulation: 2, max_steps: 4, precision: fp32}}
 checkpoint: {{every_steps: 0, save_final: false}}
@@ -24,6 +22,7 @@ parallel: {{engine: {engine}}}
 watchdog: {{startup_timeout_s: 120, stall_timeout_s: 4, report_grace_s: 3}}
 log: {{progress: lines}}
 """
+)
 SLACK_S = 45
 """Start-up of two workers (about 10 s here), the 4 s limit, the 3 s grace for dumps, and the launcher's exit."""
 
@@ -31,12 +30,8 @@ SLACK_S = 45
 def run_with_fault(tmp_path, fault: str, engine: str = "ddp") -> tuple[subprocess.CompletedProcess, str, float]:
     write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
     (tmp_path / "cfg.yaml").write_text(CONFIG.format(engine=engine))
-    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / "run")]
-    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
     started = time.monotonic()
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=180, env={**os.environ, "TUNEFORGE_INJECT_FAULT": fault}
-    )
+    result = launch(tmp_path / "cfg.yaml", tmp_path / "run", ranks=2, fault=fault, timeout=180)
     seconds = time.monotonic() - started
     report_file = tmp_path / "run" / "diagnostics" / "report.txt"
     report = report_file.read_text() if report_file.exists() else ""
@@ -111,17 +106,27 @@ def test_diagnose_prints_the_report_again_and_dumps_a_live_job(tmp_path):
     command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
     env = {**os.environ, "TUNEFORGE_INJECT_FAULT": "sleep_data:1:2:8"}
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    heartbeat = live / "run" / "diagnostics" / "live" / "rank-1.json"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and '"step": 2' not in (heartbeat.read_text() if heartbeat.exists() else ""):
-        time.sleep(0.2)
-    time.sleep(1)
+    # Ask once rank 1's heartbeat says it loads step 2 and rank 0's that it waits in a collective of step 2.
+    heartbeats = live / "run" / "diagnostics" / "live"
+    wait_for_heartbeat(heartbeats / "rank-1.json", lambda beat: beat["step"] == 2 and beat["phase"] == "data")
+    wait_for_heartbeat(heartbeats / "rank-0.json", lambda beat: beat["step"] == 2 and beat["in_flight"] is not None)
     dump = subprocess.run([TUNEFORGE, "diagnose", "--live", str(live / "run")], capture_output=True, text=True)
     _, err = job.communicate(timeout=120)
     assert job.returncode == 0, err[-3000:]  # the live dump did not stop the job
     assert "(2/2 ranks answered)" in dump.stdout, dump.stdout + dump.stderr
     assert "rank 1: phase data, step 2" in dump.stdout and "in _inject_data_fault" in dump.stdout
     assert "rank 0: phase forward/backward, step 2" in dump.stdout and "waiting in #" in dump.stdout
+
+
+def wait_for_heartbeat(path, ready, timeout_s: float = 60) -> None:
+    """Poll a rank's heartbeat file (rewritten every second) until `ready` holds for its content."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):  # not written yet, or caught mid-replace
+            if ready(json.loads(path.read_text())):
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never became ready: {path.read_text() if path.exists() else 'missing'}")
 
 
 def test_collectives_in_backward_name_the_module_whose_backward_runs(tmp_path):

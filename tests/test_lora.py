@@ -7,14 +7,21 @@ import importlib.util
 import pytest
 import torch
 
-from test_distributed import free_port
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.engines.single import SingleEngine
 from tuneforge.errors import UserError
 from tuneforge.model.adapters import make_trainable, resolve_lora_targets
 from tuneforge.train.loop import accumulate_gradients
 
-from conftest import REPO, chat, rows_batch, tiny_deepseek_v2, tiny_llama, tiny_mixtral, tokenized, write_jsonl
+from conftest import (
+    REPO,
+    chat,
+    rows_batch,
+    tiny_deepseek_v2,
+    tiny_llama,
+    tiny_mixtral,
+    tokenized,
+)
 
 
 def lora_model_config(**lora) -> ModelConfig:
@@ -134,50 +141,6 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
-
-
-DEEPSEEK_LORA = """\
-model:
-  architecture: deepseek_v2
-  size: {hidden_size: 32, intermediate_size: 64, moe_intermediate_size: 16, num_hidden_layers: 2,
-         num_attention_heads: 4, num_key_value_heads: 4, n_routed_experts: 4, num_experts_per_tok: 2,
-         n_shared_experts: 1, first_k_dense_replace: 1, kv_lora_rank: 16, q_lora_rank: null,
-         qk_rope_head_dim: 8, qk_nope_head_dim: 8, v_head_dim: 8}
-  tokenizer: bytes
-  lora: {r: 4, alpha: 8, dropout: 0.0, experts: true}
-data: {train_files: [train.jsonl], cache_dir: null}
-train: {lr: 1.0e-2, micro_batch_size: 4, max_steps: 3, precision: fp32}
-checkpoint: {every_steps: 0}
-log: {progress: lines}
-"""
-
-
-@pytest.mark.parametrize("engine", ["fsdp", "zero3_offload"])
-def test_lora_with_expert_adapters_on_two_sharded_ranks_equals_one_process(tmp_path, engine):
-    """Adapters on stacked experts and MLA attention of a DeepseekV2, sharded by FSDP2 or ZeRO-3 with offload."""
-    from safetensors.torch import load_file
-
-    from test_distributed import ENGINES, train
-
-    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
-    (tmp_path / "cfg.yaml").write_text(DEEPSEEK_LORA)
-    train(tmp_path / "cfg.yaml", tmp_path / "one")
-    extra = ENGINES[engine]
-    train(
-        tmp_path / "cfg.yaml",
-        tmp_path / "two",
-        "train.micro_batch_size=2",
-        *extra,
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-    )
-    one = load_file(tmp_path / "one" / "checkpoints" / "final" / "adapter_model.safetensors")
-    two = load_file(tmp_path / "two" / "checkpoints" / "final" / "adapter_model.safetensors")
-    assert one.keys() == two.keys() and any("experts" in name for name in one)
-    for name, tensor in one.items():
-        torch.testing.assert_close(two[name], tensor, atol=1e-5, rtol=1e-4, msg=name)  # as in test_distributed
 
 
 def test_dora_and_rslora_switches_reach_peft(tokenizer):

@@ -12,10 +12,9 @@ import time
 
 import pytest
 
-from test_distributed import TUNEFORGE, free_port
 from tuneforge.model.moe import find_moe
 
-from conftest import REPO, chat, write_jsonl
+from conftest import REPO, TUNEFORGE, chat, free_port, write_jsonl
 
 ASSET = REPO / "tests" / "assets" / "modeling_legacy_moe.py"
 # A 15 s stall limit: short enough for a test, long enough that a loaded machine's slow step 1 is not taken

@@ -10,7 +10,6 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from test_distributed import TUNEFORGE, free_port
 from tuneforge.config import load_config
 from tuneforge.config.schema import LoraSettings, ModelConfig, QuantizationConfig
 from tuneforge.errors import UserError
@@ -21,7 +20,7 @@ from tuneforge.model.trained import load_trained
 from tuneforge.train.checkpoint import save_checkpoint
 from tuneforge.train.run import run_training
 
-from conftest import chat, write_jsonl
+from conftest import TUNEFORGE, chat, free_port, write_jsonl
 
 pytest.importorskip("bitsandbytes")
 

@@ -2,41 +2,31 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 
 import pytest
 
-from test_distributed import TUNEFORGE, free_port
+from conftest import ENGINES, TINY_LLAMA, chat, launch, metrics, write_jsonl
 
-from conftest import chat, write_jsonl
-
-CONFIG = """\
-model:
-  architecture: llama
-  size: {{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4}}
-  tokenizer: bytes
-  {lora}
-data: {{train_files: [train.jsonl], cache_dir: null}}
-train: {{lr: 3.0e-3, micro_batch_size: 2, gradient_accumulation: 2, max_steps: 7, precision: fp32}}
-checkpoint: {{every_steps: 2, keep_last: 2}}
-log: {{progress: lines}}
+CONFIG = (
+    TINY_LLAMA
+    + """\
+data: {train_files: [train.jsonl], cache_dir: null}
+train: {lr: 3.0e-3, micro_batch_size: 2, gradient_accumulation: 2, max_steps: 7, precision: fp32}
+checkpoint: {every_steps: 2, keep_last: 2}
+log: {progress: lines}
 """
+)
 # Dropout in the adapters draws random numbers every step: the RNG state must be restored too.
 LORA = "lora: {r: 4, alpha: 8, dropout: 0.2}"
 
 
 def train(tmp_path, name: str, *extra: str, fault: str = "", ranks: int = 1) -> subprocess.CompletedProcess:
-    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / name), *extra]
-    if ranks > 1:
-        command += ["--nproc-per-node", str(ranks), "--master-port", str(free_port())]
-    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": fault}
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    return launch(tmp_path / "cfg.yaml", tmp_path / name, *extra, ranks=ranks, fault=fault)
 
 
 def losses(work_dir) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (work_dir / "metrics.jsonl").open())]
+    return [(r["step"], r["loss"]) for r in metrics(work_dir)]
 
 
 @pytest.fixture
@@ -48,7 +38,7 @@ def job(tmp_path):
 
 @pytest.mark.parametrize("lora", ["", LORA], ids=["full", "lora"])
 def test_killed_mid_run_then_resumed_equals_uninterrupted(job, lora):
-    (job / "cfg.yaml").write_text(CONFIG.format(lora=lora))
+    (job / "cfg.yaml").write_text(CONFIG.replace("model: {", "model: {" + lora + ", " if lora else "model: {"))
     assert train(job, "whole").returncode == 0
     killed = train(job, "run", fault="kill:0:6")
     assert killed.returncode != 0 and [s for s, _ in losses(job / "run")] == [1, 2, 3, 4, 5]
@@ -60,7 +50,7 @@ def test_killed_mid_run_then_resumed_equals_uninterrupted(job, lora):
 
 
 def test_killed_mid_save_resumes_from_the_previous_checkpoint(job):
-    (job / "cfg.yaml").write_text(CONFIG.format(lora=""))
+    (job / "cfg.yaml").write_text(CONFIG)
     assert train(job, "whole").returncode == 0
     killed = train(job, "run", fault="kill_in_save:0:4")
     assert killed.returncode != 0
@@ -74,7 +64,7 @@ def test_killed_mid_save_resumes_from_the_previous_checkpoint(job):
 
 
 def test_resume_refuses_another_world_size(job):
-    (job / "cfg.yaml").write_text(CONFIG.format(lora=""))
+    (job / "cfg.yaml").write_text(CONFIG)
     assert train(job, "run", "train.max_steps=2").returncode == 0
     other = train(job, "run", "train.micro_batch_size=1", "--resume", "auto")
     assert other.returncode == 2
@@ -83,9 +73,7 @@ def test_resume_refuses_another_world_size(job):
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero3_offload"])
 def test_two_ranks_killed_and_resumed_equal_uninterrupted(job, engine):
-    from test_distributed import ENGINES
-
-    (job / "cfg.yaml").write_text(CONFIG.format(lora=""))
+    (job / "cfg.yaml").write_text(CONFIG)
     extra = ENGINES[engine]
     assert train(job, "whole", *extra, ranks=2).returncode == 0
     killed = train(job, "run", *extra, fault="kill:1:6", ranks=2)

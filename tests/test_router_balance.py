@@ -12,11 +12,19 @@ from tuneforge.config import load_config
 from tuneforge.data.batching import collate
 from tuneforge.errors import UserError
 from tuneforge.model.moe import find_moe
-from tuneforge.model.router_balance import attach_router_balance, balance_loss
+from tuneforge.model.router_balance import attach_router_balance, combine, routing_stats
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.run import run_training
 
 from conftest import chat, rows_batch, single_engine, tiny_llama, tiny_mixtral, tokenized, write_jsonl
+
+
+def balance_loss(layer_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor) -> torch.Tensor:
+    """The balance loss of one batch on one rank, on real (unmasked) tokens, from recomputed top-k routing."""
+    weights = token_mask.reshape(-1).float()
+    stats = [routing_stats(logits, top_k, weights) for logits in layer_logits]
+    counts, prob_sums = torch.stack([c for c, _ in stats]), torch.stack([p for _, p in stats])
+    return combine(counts, prob_sums, float(weights.sum().clamp(min=1.0)))
 
 
 def attach_balance(model, coef):

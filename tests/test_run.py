@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tuneforge.config import load_config
 from tuneforge.errors import UserError
 from tuneforge.train.run import run_training
 
-from conftest import chat, write_jsonl
+from conftest import chat, metrics, write_jsonl
 
 CONFIG = """\
 model:
@@ -41,7 +39,7 @@ def config_file(tmp_path):
 
 
 def losses(work_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (work_dir / "metrics.jsonl").open()]
+    return [record["loss"] for record in metrics(work_dir)]
 
 
 def test_same_seed_gives_the_same_losses_and_another_seed_does_not(config_file, tmp_path):
@@ -55,10 +53,14 @@ def test_same_seed_gives_the_same_losses_and_another_seed_does_not(config_file, 
     assert first != losses(tmp_path / "c")
 
 
-def test_packed_training_runs_and_reports_padding(config_file, tmp_path, capsys):
+def test_packed_training_sees_every_token_once_per_epoch_and_reports_padding(config_file, tmp_path, capsys):
     run_training(load_config(config_file, ["data.packing=true", "data.max_length=128"]), tmp_path / "p")
-    assert all(loss > 0 for loss in losses(tmp_path / "p"))
     assert "padding per epoch: random" in capsys.readouterr().out
+    run_training(load_config(config_file), tmp_path / "u")
+    packed, unpacked = metrics(tmp_path / "p"), metrics(tmp_path / "u")
+    assert len(packed) < len(unpacked)  # rows of several samples: fewer steps for the same two epochs
+    for key in ("tokens", "trained_tokens"):
+        assert sum(r[key] for r in packed) == sum(r[key] for r in unpacked)
 
 
 def test_a_typo_in_model_size_is_named(config_file, tmp_path):

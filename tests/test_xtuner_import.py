@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from test_distributed import TUNEFORGE, free_port
 from tuneforge.errors import UserError
 from tuneforge.xtuner.mapping import import_config
 
-from conftest import REPO
+from conftest import REPO, TUNEFORGE, free_port
 
 REPORT = REPO.parent / "shared" / "seed" / "xtuner_deepseek_v2_lite_qlora_zero3.py"
 # The report's own config when ../shared is next to the checkout; else a config of the same job shape.

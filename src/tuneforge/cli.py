@@ -39,6 +39,10 @@ into the base weights (for QLoRA, into the dequantized 4-bit weights the adapter
 Both include the tokenizer, the training chat template as Jinja and the generation config."""
 
 
+GPU_CHOICES = ["h100", "h200", "a100-80gb", "a100-40gb", "l40s", "a10g", "l4"]
+"""The keys of `estimate.hardware.ACCELERATORS`, written out so that `--help` does not import torch."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tuneforge",
@@ -148,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--nnodes", type=int, default=1, help="nodes it will run with")
     doctor.add_argument(
         "--gpu",
-        choices=["h100", "h200", "a100-80gb", "a100-40gb"],  # estimate.ACCELERATORS, not imported: a light parser
+        choices=GPU_CHOICES,
         help="estimate memory and time for this GPU (default: this machine's GPU, if any)",
     )
     doctor.add_argument(

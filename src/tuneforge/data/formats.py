@@ -11,8 +11,6 @@ from typing import Any
 
 from tuneforge.data.conversation import Conversation, SampleError, Turn
 
-FORMATS = ("openai", "sharegpt", "alpaca")
-
 SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",

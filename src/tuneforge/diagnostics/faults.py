@@ -10,12 +10,26 @@ diagnosis can be checked end to end through the real launcher:
 - `kill`: the rank kills itself with SIGKILL (a crash, or the OOM killer);
 - `kill_in_save`: the same, in the middle of writing that step's checkpoint;
 - `nan_loss`: the rank's loss of that step is NaN (a bad sample, an overflow).
+
+The faults live in wrappers around the run's parts (the step groups, the engine, the model's last decoder
+layer), installed by `run.setup` only when the variable is set: the training loop has no test switches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tuneforge.engines.base import Engine
+from tuneforge.model.structure import decoder_layers
+from tuneforge.train.parts import StepGroups
+from tuneforge.watchdog import StallWatchdog
 
 ENV = "TUNEFORGE_INJECT_FAULT"
 KINDS = ("skip_all_reduce", "rank_only_collective", "extra_batch", "sleep_data", "kill", "kill_in_save", "nan_loss")
@@ -28,9 +42,6 @@ class Fault:
     step: int
     seconds: float = 0.0
 
-    def due(self, kind: str, rank: int, step: int) -> bool:
-        return self.kind == kind and self.rank == rank and self.step == step
-
 
 def injected_fault() -> Fault | None:
     spec = os.environ.get(ENV)
@@ -40,3 +51,101 @@ def injected_fault() -> Fault | None:
     if kind not in KINDS:
         raise ValueError(f"{ENV}: unknown fault {kind!r}; one of {', '.join(KINDS)}")
     return Fault(kind, int(rank), int(step), float(rest[0]) if rest else 0.0)
+
+
+class FaultInjector:
+    """Knows the step in progress (from the step groups it hands out) and fires its fault there."""
+
+    def __init__(self, fault: Fault, rank: int, watchdog: StallWatchdog):
+        self.fault = fault
+        self.rank = rank
+        self.watchdog = watchdog
+        self.step = 0
+
+    def due(self, kind: str) -> bool:
+        return self.fault.kind == kind and self.fault.rank == self.rank and self.fault.step == self.step
+
+    def wrap_steps(self, groups: StepGroups, start_step: int) -> StepGroups:
+        for self.step, (epoch, group) in enumerate(groups, start=start_step + 1):
+            self._inject_data_fault()
+            if self.due("extra_batch"):
+                group = [*group, group[-1]]
+            yield epoch, group
+
+    def _inject_data_fault(self) -> None:
+        if self.due("sleep_data"):
+            time.sleep(self.fault.seconds)
+        if self.due("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap_engine(self, engine: Engine) -> Engine:
+        if self.fault.kind == "nan_loss":
+            decoder_layers(engine.unwrapped)[-1].register_forward_hook(self._poison)
+        return FaultyEngine(engine, self)
+
+    def _poison(self, module: torch.nn.Module, _inputs: object, output: object) -> object:
+        """The last decoder layer's output times NaN in training forwards: the loss and every gradient of the
+        step become NaN."""
+        if not self.due("nan_loss") or not module.training:
+            return output
+        if isinstance(output, tuple):
+            return (output[0] * float("nan"), *output[1:])
+        return output * float("nan")
+
+
+class FaultyEngine(Engine):
+    """An engine that passes every call through, misbehaving where its injector says so."""
+
+    def __init__(self, inner: Engine, injector: FaultInjector):
+        self.inner = inner
+        self.injector = injector
+        self.traits, self.info, self.moe = inner.traits, inner.info, inner.moe
+        self.scaler, self.optimizer = inner.scaler, inner.optimizer
+        self._skipped_at = 0
+
+    @classmethod
+    def traits_for(cls, parallel, train, device="cuda"):
+        raise NotImplementedError("a wrapper has the traits of the engine it wraps")
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.inner.model
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        return self.inner.unwrapped
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.inner.loss_scale
+
+    def sum_across_ranks(self, values: list[float]) -> list[float]:
+        # The first collective of a step is its token count: the skipped one.
+        if self.injector.due("skip_all_reduce") and self._skipped_at != self.injector.step:
+            self._skipped_at = self.injector.step
+            return list(values)
+        return self.inner.sum_across_ranks(values)
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        return self.inner.micro_step(last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.inner.backward(loss)
+
+    def step(self, lr: float, max_grad_norm: float) -> float:
+        norm = self.inner.step(lr, max_grad_norm)
+        if self.injector.due("rank_only_collective"):
+            self.injector.watchdog.beat("eval")
+            torch.distributed.all_reduce(torch.zeros(1, device=self.info.device))
+        return norm
+
+    def save_state(self, directory: Path) -> None:
+        self.inner.save_state(directory)
+        if self.injector.due("kill_in_save"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def load_state(self, directory: Path) -> None:
+        self.inner.load_state(directory)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.inner.full_state_dict()

@@ -120,7 +120,17 @@ class DeepSpeedEngine(Engine):
         )
 
     def _check_overrides(self, parallel: ParallelConfig, train: TrainConfig) -> None:
-        """Settings the run relies on must come from our config, where the doctor and the loop see them."""
+        """Settings the run relies on must come from our config, where the doctor and the loop see them; and
+        DeepSpeed's own refusals, said in our terms before it raises them."""
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if train.precision == "fp16" and not accelerator.is_fp16_supported():
+            raise UserError(
+                f"train.precision=fp16: DeepSpeed's {accelerator.device_name()} accelerator has no fp16 on this "
+                "machine (on CPU it needs fp16 support in oneDNN); use train.precision=bf16 or fp32, or "
+                "parallel.engine=fsdp, which scales fp16 losses itself"
+            )
         merged_stage = self.config["zero_optimization"].get("stage", parallel.zero_stage)
         if merged_stage != parallel.zero_stage:
             raise UserError(

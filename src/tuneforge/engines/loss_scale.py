@@ -47,11 +47,6 @@ class LossScaler:
             if parameter.grad is not None:
                 parameter.grad.mul_(inverse)
 
-    @property
-    def at_minimum(self) -> bool:
-        """Overflowing at the smallest scale means the values themselves are out of fp16 range."""
-        return not self.dynamic or self.scale <= self.min_scale
-
     def update(self, finite: bool) -> None:
         if not finite:
             self.overflows += 1

@@ -46,10 +46,6 @@ class MoEBlock:
     def experts_path(self) -> str:
         return f"{self.name}.{self.experts_name}" if self.name else self.experts_name
 
-    @property
-    def router_path(self) -> str:
-        return f"{self.name}.{self.router_name}" if self.name else self.router_name
-
     def summary(self) -> tuple:
         """Everything but the modules: equal for two maps of the same architecture, wherever they were built."""
         return (
@@ -89,16 +85,9 @@ class MoEMap:
     def routers(self) -> list[nn.Module]:
         return [b.router for b in self.blocks]
 
-    def routed_numel(self) -> int:
-        return sum(b.expert_numel for b in self.blocks)
-
     def idle_numel(self) -> int:
         """Routed-expert values a token does not multiply with: all but its top-k experts' share."""
         return sum(int(b.expert_numel * (1 - b.top_k / b.num_experts)) for b in self.blocks if b.top_k)
-
-    def expert_parameter_names(self) -> set[str]:
-        """Full names (in the base model) of every routed-expert parameter."""
-        return {f"{b.experts_path}.{name}" for b in self.blocks for name, _ in b.expert_shapes}
 
     def in_experts(self, module_path: str) -> bool:
         return any(module_path == b.experts_path or module_path.startswith(b.experts_path + ".") for b in self.blocks)

@@ -46,15 +46,6 @@ def combine(counts: torch.Tensor, prob_sums: torch.Tensor, real_tokens: float) -
     return per_layer.mean()
 
 
-def balance_loss(layer_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor) -> torch.Tensor:
-    """The balance loss of one batch, on real (unmasked) tokens only."""
-    weights = token_mask.reshape(-1).float()
-    stats = [routing_stats(logits, top_k, weights) for logits in layer_logits]
-    counts = torch.stack([c for c, _ in stats])
-    prob_sums = torch.stack([p for _, p in stats])
-    return combine(counts, prob_sums, float(weights.sum().clamp(min=1.0)))
-
-
 class RouterBalance:
     """Records router logits during `capture()` and turns them into the balance loss of that forward."""
 

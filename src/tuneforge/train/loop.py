@@ -5,37 +5,31 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
-import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from tuneforge.config.schema import Config
 from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
-from tuneforge.data.templates import ChatTemplate
-from tuneforge.diagnostics.faults import injected_fault
 from tuneforge.distributed import barrier, gather_objects
 from tuneforge.engines import Engine
 from tuneforge.errors import UserError
+from tuneforge.estimate.hardware import peak_flops
 from tuneforge.generate import generate_replies
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.train.checkpoint import commit_checkpoint, prune_checkpoints, temporary_dir, write_model_files
 from tuneforge.train.loss import loss_sum
 from tuneforge.train.metrics import MetricsLog
+from tuneforge.train.parts import RunParts
 from tuneforge.train.progress import ProgressReporter
 from tuneforge.train.schedule import LRSchedule, resolve_warmup
 from tuneforge.train.sinks import open_sinks
 from tuneforge.train.state import TRAINING_STATE, ResumePoint, save_rng, write_state
-from tuneforge.train.telemetry import peak_flops, peak_memory_gb
+from tuneforge.train.telemetry import peak_memory_gb
 from tuneforge.train.validate import validation_loss
-from tuneforge.watchdog import StallWatchdog
 
 
 @dataclass(frozen=True)
@@ -57,17 +51,13 @@ def accumulate_gradients(
     on_micro_step: Callable[[int], None] | None = None,
     balance: RouterBalance | None = None,
     on_micro_start: Callable[[int], None] | None = None,
-    skip_target_sync: bool = False,
-    poison_loss: bool = False,
 ) -> AccumulatedStep:
     """Backward every micro-batch with its loss sum divided by the step's total target count over all ranks,
     so the gradient is that of the mean over all target tokens, however they are split into micro-batches
     and ranks. The router balance loss of a micro-batch is weighted by its share of those targets, so it
     too is a token-weighted mean; its routing statistics cover the micro-batch of all ranks. Every rank runs
     the same number of micro-batches and collectives."""
-    local_targets = sum(mb.num_targets for mb in micro_batches)
-    # `skip_target_sync` exists only for fault injection (a rank that skips a collective).
-    (total_targets,) = [local_targets] if skip_target_sync else engine.sum_across_ranks([local_targets])
+    (total_targets,) = engine.sum_across_ranks([sum(mb.num_targets for mb in micro_batches)])
     assert total_targets > 0, "tokenization drops samples without targets"
     loss_total = torch.zeros(())
     aux_total = torch.zeros(())
@@ -78,8 +68,6 @@ def accumulate_gradients(
         with engine.micro_step(last=index == len(micro_batches)):
             with balance.capture() if balance is not None else contextlib.nullcontext():
                 loss = loss_sum(engine.model, batch, precision, engine.unwrapped, fuse) / total_targets
-            if poison_loss:  # fault injection only: a NaN loss, as a bad sample or an overflow would give
-                loss = loss * float("nan")
             objective = loss
             if balance is not None:
                 aux = balance.loss(batch.attention_mask, batch.num_targets, total_targets, engine.sum_across_ranks)
@@ -105,6 +93,15 @@ def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
     return math.ceil(num_micro_batches / accumulation)
 
 
+def planned_micro_batches(num_micro_batches: int, accumulation: int, step: int) -> int:
+    """How many micro-batches optimizer step `step` (from 1) takes by the plan: `accumulation`, fewer at the
+    end of an epoch. The watchdog holds every rank to it (a rank beyond it has uneven data)."""
+    per_epoch = steps_per_epoch(num_micro_batches, accumulation)
+    if (step - 1) % per_epoch < per_epoch - 1:
+        return accumulation
+    return num_micro_batches - accumulation * (per_epoch - 1)
+
+
 def step_groups(
     batches: BatchPlanner, accumulation: int, start_step: int = 0
 ) -> Iterator[tuple[int, list[MicroBatch]]]:
@@ -128,36 +125,19 @@ def step_groups(
 class Trainer:
     """Runs the steps. Every rank executes the same calls in the same order; only rank 0 writes files."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        engine: Engine,
-        tokenizer: PreTrainedTokenizerBase,
-        template: ChatTemplate,
-        batches: BatchPlanner,
-        work_dir: Path,
-        watchdog: StallWatchdog,
-        balance: RouterBalance | None = None,
-        validation: list[MicroBatch] | None = None,
-        active_parameters: int = 0,
-    ):
-        self.cfg = cfg
-        self.validation = validation
+    def __init__(self, parts: RunParts):
+        self.parts = parts
+        self.cfg = cfg = parts.cfg
+        self.engine = parts.engine
+        self.watchdog = parts.watchdog
+        self.work_dir = parts.work_dir
+        self.is_main = parts.engine.info.is_main
         self.best_val_loss = float("inf")
-        self.balance = balance
-        self.fault = injected_fault()
-        self.active_parameters = active_parameters
-        self.peak_flops = peak_flops(engine.info.device)
         self.nonfinite_in_row = 0
-        self.engine = engine
-        self.is_main = engine.info.is_main
-        self.tokenizer = tokenizer
-        self.template = template
-        self.batches = batches
-        self.work_dir = work_dir
-        self.watchdog = watchdog
+        self.samples_consumed = 0
+        self.peak_flops = peak_flops(parts.engine.info.device)
         train = cfg.train
-        per_epoch = steps_per_epoch(len(batches), train.gradient_accumulation)
+        per_epoch = steps_per_epoch(len(parts.planner), train.gradient_accumulation)
         self.total_steps = train.max_steps or per_epoch * train.epochs
         self.schedule = LRSchedule(
             peak=train.lr,
@@ -172,8 +152,8 @@ class Trainer:
             cfg.log.progress if self.is_main else "off",
             cfg.log.every_steps,
         )
-        self.checkpoints_dir = work_dir / "checkpoints"
-        watchdog.total_steps = self.total_steps
+        self.checkpoints_dir = parts.work_dir / "checkpoints"
+        self.watchdog.total_steps = self.total_steps
         data = cfg.data.model_dump(mode="json")
         self.chat_meta = {"template": data["template"], "system": data["system"]}
         if cfg.model.lora is not None:
@@ -185,17 +165,17 @@ class Trainer:
             }
 
     def run(self, start: ResumePoint | None = None) -> list[dict]:
-        cfg, engine = self.cfg, self.engine
-        engine.model.train()
+        cfg = self.cfg
+        self.engine.model.train()
         start_step = start.step if start is not None else 0
         self.progress.first_step = start_step
-        self.samples_consumed = start.samples_consumed if start is not None else 0
-        if start is not None and start.best_val_loss is not None:
-            self.best_val_loss = start.best_val_loss
-        metrics_path = self.work_dir / "metrics.jsonl"
+        if start is not None:
+            self.samples_consumed = start.samples_consumed
+            if start.best_val_loss is not None:
+                self.best_val_loss = start.best_val_loss
         metrics_log = (
             MetricsLog(
-                metrics_path,
+                self.work_dir / "metrics.jsonl",
                 append=start_step > 0,
                 sinks=open_sinks(cfg.log, self.work_dir, cfg.model_dump(mode="json"), start_step),
             )
@@ -203,60 +183,17 @@ class Trainer:
             else None
         )
         history: list[dict] = []
-        started = time.monotonic()
+        self.started = time.monotonic()
         try:
             if cfg.eval.sample_at_start and cfg.eval.sample_prompts and start_step == 0:
                 self.sample_chats(step=0)
-            groups = step_groups(self.batches, cfg.train.gradient_accumulation, start_step)
+            groups = self.parts.steps_from(start_step)
             for step in range(start_step + 1, self.total_steps + 1):
                 self.watchdog.beat("data", training=step > 1, step=step, micro_step=0)
-                step_start = time.monotonic()
                 epoch, micro_batches = next(groups)
-                self._inject_data_fault(step)
-                planned = len(micro_batches)
-                if self.fault is not None and self.fault.due("extra_batch", self.engine.info.rank, step):
-                    micro_batches = [*micro_batches, micro_batches[-1]]
-                accumulated = self._forward_backward(step, micro_batches, planned)
-                self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * engine.info.world_size
-                self.watchdog.beat("optimizer")
-                lr = self.schedule(step)
-                loss_scale = engine.loss_scale  # the scale this step's gradients carry
-                grad_norm = engine.step(lr, cfg.train.max_grad_norm)
-                finite = math.isfinite(accumulated.loss) and math.isfinite(grad_norm)
-                overflow = not finite and self._fp16_overflow(step, accumulated.loss, loss_scale)
-                if not finite and not overflow:
-                    self._nonfinite_step(step, accumulated.loss, grad_norm, micro_batches)
-                self.nonfinite_in_row = 0 if finite or overflow else self.nonfinite_in_row + 1
-                seconds = time.monotonic() - step_start
-                record = {
-                    "step": step,
-                    "epoch": epoch,
-                    "loss": accumulated.loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": accumulated.num_tokens / seconds,
-                    "trained_tokens_per_s": accumulated.num_targets / seconds,
-                    "tokens": accumulated.num_tokens,
-                    "trained_tokens": accumulated.num_targets,
-                    "padding": 1 - accumulated.num_tokens / accumulated.num_slots,
-                    "elapsed_s": time.monotonic() - started,
-                }
-                if not finite:
-                    record["skipped"] = engine.skips_nonfinite
-                if overflow:
-                    record["overflow"] = True
-                if loss_scale is not None:
-                    record["loss_scale"] = loss_scale
-                # Model FLOPs: 6 x active parameters per token (forward and backward), the attention term left out.
-                flops = 6 * self.active_parameters * accumulated.num_tokens / seconds
-                record["model_tflops"] = flops / 1e12
-                if self.peak_flops:
-                    record["mfu"] = flops / (self.peak_flops * engine.info.world_size)
-                record["peak_memory_gb"] = peak_memory_gb(engine.info.device)
-                if accumulated.router_aux_loss is not None:
-                    record["router_aux_loss"] = accumulated.router_aux_loss
+                record = self.train_step(step, epoch, micro_batches)
                 every = cfg.eval.every_steps
-                if self.validation and ((every and step % every == 0) or step == self.total_steps):
+                if self.parts.validation and ((every and step % every == 0) or step == self.total_steps):
                     record["val_loss"] = self.validate(step, epoch)
                 if metrics_log is not None:
                     metrics_log.write(record)
@@ -266,9 +203,6 @@ class Trainer:
                     self.sample_chats(step)
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                     self.save(f"step-{step}", step, epoch, with_state=True)
-                if self.fault is not None and self.fault.due("rank_only_collective", self.engine.info.rank, step):
-                    self.watchdog.beat("eval")
-                    torch.distributed.all_reduce(torch.zeros(1, device=self.engine.info.device))
             if cfg.eval.sample_prompts:
                 self.sample_chats(self.total_steps)
             if cfg.checkpoint.save_final:
@@ -279,41 +213,87 @@ class Trainer:
             self.progress.close()
         return history
 
-    def _forward_backward(self, step: int, micro_batches: list[MicroBatch], planned: int) -> AccumulatedStep:
-        last = time.monotonic()
+    def train_step(self, step: int, epoch: int, micro_batches: list[MicroBatch]) -> dict:
+        """One optimizer step, top to bottom: the gradient of the mean loss over every target token of the
+        global batch, one clipped optimizer step (or a skipped one), and the step's record."""
+        engine, train = self.engine, self.cfg.train
+        step_start = time.monotonic()
+        planned = planned_micro_batches(len(self.parts.planner), train.gradient_accumulation, step)
+        accumulated = accumulate_gradients(
+            engine,
+            micro_batches,
+            train.precision,
+            self._micro_step_done(step, len(micro_batches)),
+            self.parts.balance,
+            on_micro_start=self._micro_step_start(step, planned),
+        )
+        self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * engine.info.world_size
 
-        def on_micro_start(index: int) -> None:
+        self.watchdog.beat("optimizer")
+        lr = self.schedule(step)
+        loss_scale = engine.loss_scale  # the scale this step's gradients carry
+        grad_norm = engine.step(lr, train.max_grad_norm)
+
+        finite = math.isfinite(accumulated.loss) and math.isfinite(grad_norm)
+        overflow = not finite and self._fp16_overflow(step, accumulated.loss, loss_scale)
+        if not finite and not overflow:
+            self._nonfinite_step(step, accumulated.loss, grad_norm, micro_batches)
+        self.nonfinite_in_row = 0 if finite or overflow else self.nonfinite_in_row + 1
+        record = self._record(step, epoch, lr, grad_norm, accumulated, time.monotonic() - step_start)
+        if not finite:
+            record["skipped"] = engine.skips_nonfinite
+        if overflow:
+            record["overflow"] = True
+        if loss_scale is not None:
+            record["loss_scale"] = loss_scale
+        return record
+
+    def _record(
+        self, step: int, epoch: int, lr: float, grad_norm: float, accumulated: AccumulatedStep, seconds: float
+    ) -> dict:
+        info = self.engine.info
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": accumulated.loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": accumulated.num_tokens / seconds,
+            "trained_tokens_per_s": accumulated.num_targets / seconds,
+            "tokens": accumulated.num_tokens,
+            "trained_tokens": accumulated.num_targets,
+            "padding": 1 - accumulated.num_tokens / accumulated.num_slots,
+            "elapsed_s": time.monotonic() - self.started,
+        }
+        # Model FLOPs: 6 x active parameters per token (forward and backward), the attention term left out.
+        flops = 6 * self.parts.active_parameters * accumulated.num_tokens / seconds
+        record["model_tflops"] = flops / 1e12
+        if self.peak_flops:
+            record["mfu"] = flops / (self.peak_flops * info.world_size)
+        record["peak_memory_gb"] = peak_memory_gb(info.device)
+        if accumulated.router_aux_loss is not None:
+            record["router_aux_loss"] = accumulated.router_aux_loss
+        return record
+
+    def _micro_step_start(self, step: int, planned: int) -> Callable[[int], None]:
+        self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
+
+        def started(index: int) -> None:
             self.watchdog.beat("forward/backward", training=step > 1 or index > 1, micro_step=index)
 
-        def on_micro_step(index: int) -> None:
+        return started
+
+    def _micro_step_done(self, step: int, count: int) -> Callable[[int], None]:
+        last = time.monotonic()
+
+        def done(index: int) -> None:
             nonlocal last
             now = time.monotonic()
             self.watchdog.beat("forward/backward")
-            self.progress.micro_step(step, index, len(micro_batches), now - last)
+            self.progress.micro_step(step, index, count, now - last)
             last = now
 
-        self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
-        skip = self.fault is not None and self.fault.due("skip_all_reduce", self.engine.info.rank, step)
-        poison = self.fault is not None and self.fault.due("nan_loss", self.engine.info.rank, step)
-        return accumulate_gradients(
-            self.engine,
-            micro_batches,
-            self.cfg.train.precision,
-            on_micro_step,
-            self.balance,
-            on_micro_start=on_micro_start,
-            skip_target_sync=skip,
-            poison_loss=poison,
-        )
-
-    def _inject_data_fault(self, step: int) -> None:
-        rank = self.engine.info.rank
-        if self.fault is None:
-            return
-        if self.fault.due("sleep_data", rank, step):
-            time.sleep(self.fault.seconds)
-        if self.fault.due("kill", rank, step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        return done
 
     def _fp16_overflow(self, step: int, loss: float, loss_scale: float | None) -> bool:
         """Under dynamic fp16 scaling, gradients that overflow at a scale above the minimum are the scaler's
@@ -348,7 +328,7 @@ class Trainer:
 
     def validate(self, step: int, epoch: int) -> float:
         self.watchdog.beat("eval")
-        loss, _ = validation_loss(self.engine, self.validation or [], self.cfg.train.precision)
+        loss, _ = validation_loss(self.engine, self.parts.validation or [], self.cfg.train.precision)
         if self.cfg.checkpoint.keep_best and loss < self.best_val_loss:
             self.save("best", step, epoch, with_state=False)
         self.best_val_loss = min(self.best_val_loss, loss)
@@ -361,8 +341,8 @@ class Trainer:
         prompts = [prompt_conversation([], prompt) for prompt in evaluation.sample_prompts]
         replies = generate_replies(
             self.engine.unwrapped,
-            self.tokenizer,
-            self.template,
+            self.parts.tokenizer,
+            self.parts.template,
             prompts,
             self.cfg.data.system,
             evaluation.sample_max_new_tokens,
@@ -392,12 +372,12 @@ class Trainer:
         if with_state:
             self.engine.save_state(tmp / TRAINING_STATE)
             save_rng(tmp / TRAINING_STATE, info.rank)
-        if self.fault is not None and self.fault.due("kill_in_save", info.rank, step):
-            os.kill(os.getpid(), signal.SIGKILL)
         barrier(info)
         if self.is_main:
             meta = {**self.chat_meta, "step": step}
-            write_model_files(self.engine.unwrapped, self.tokenizer, tmp, meta, self.work_dir / "config.yaml", weights)
+            write_model_files(
+                self.engine.unwrapped, self.parts.tokenizer, tmp, meta, self.work_dir / "config.yaml", weights
+            )
             if with_state:
                 train = self.cfg.train
                 point = ResumePoint(

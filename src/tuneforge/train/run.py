@@ -13,30 +13,36 @@ import torch
 import transformers
 
 from tuneforge.config import Config, dump_config
+from tuneforge.data.batching import MicroBatch
 from tuneforge.data.loader import make_planner, padding_by_strategy
-from tuneforge.data.pipeline import prepare_data
+from tuneforge.data.pipeline import PreparedData, prepare_data
 from tuneforge.data.report import format_report
 from tuneforge.data.templates import get_template
+from tuneforge.diagnostics.faults import FaultInjector, injected_fault
 from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.distributed import DistInfo, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
-from tuneforge.engines import Engine, build_engine, choose_engine, engine_traits
+from tuneforge.engines import Engine, EngineTraits, build_engine, choose_engine, engine_traits
 from tuneforge.errors import UserError
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import build_model, build_tokenizer, count_parameters
 from tuneforge.model.compile import check_compiler, compile_elementwise
-from tuneforge.model.moe import find_moe
-from tuneforge.model.router_balance import attach_router_balance
+from tuneforge.model.moe import MoEMap, find_moe
+from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.train.evaluate import exact_match, write_result
-from tuneforge.train.loop import Trainer
+from tuneforge.train.loop import Trainer, step_groups
 from tuneforge.train.optim import build_optimizer
+from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
 from tuneforge.train.sinks import require_packages
 from tuneforge.train.state import TRAINING_STATE, ResumePoint, check_compatible, find_resume, load_rng, read_state
 from tuneforge.train.telemetry import active_matmul_parameters
 from tuneforge.train.validate import validation_batches
 from tuneforge.watchdog import StallWatchdog, exception_site
+
+Say = Callable[[str], None]
+"""Prints on rank 0, does nothing on the others."""
 
 
 def quiet_known_noise() -> None:
@@ -58,7 +64,7 @@ def run_training(cfg: Config, work_dir: Path, resume: str | None = None) -> dict
     info = init_distributed()
     work_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
-    say: Callable[[str], None] = print if info.is_main else (lambda _: None)
+    say: Say = print if info.is_main else (lambda _: None)
     if info.is_main:
         dump_config(cfg, work_dir / "config.yaml")
         # Dumps of an earlier run in this work dir would confuse this run's diagnosis.
@@ -88,7 +94,8 @@ def run_training(cfg: Config, work_dir: Path, resume: str | None = None) -> dict
     )
     watchdog.start()
     try:
-        return _train(cfg, work_dir, watchdog, info, engine_name, say, resume)
+        parts = setup(cfg, work_dir, watchdog, info, engine_name, say)
+        return train_and_evaluate(parts, info, say, resume)
     except (torch.distributed.DistError, RuntimeError) as exc:
         if info.distributed and dog.enabled:
             # A collective that failed (gloo/NCCL errors on mismatched calls) or a rank that failed on its own (out
@@ -130,20 +137,58 @@ def truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def _train(
-    cfg: Config,
-    work_dir: Path,
-    watchdog: StallWatchdog,
-    info: DistInfo,
-    engine_name: str,
-    say: Callable[[str], None],
-    resume: str | None = None,
-) -> dict:
+def setup(cfg: Config, work_dir: Path, watchdog: StallWatchdog, info: DistInfo, engine_name: str, say: Say) -> RunParts:
+    """Data, pre-flight checks, model, engine and batches: everything the loop needs, in the order that lets each
+    fail early (bad data before the doctor, the doctor before the model loads)."""
     seed_everything(cfg.train.seed)
     template = get_template(cfg.data.template)
     tokenizer = build_tokenizer(cfg.model)
-
     watchdog.beat("data", training=False)
+    data = load_data(cfg, tokenizer, template, info, say)
+    if cfg.watchdog.doctor != "off":
+        preflight(cfg, engine_name, info, tokenizer, len(data.train.data), say)
+    traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
+    if cfg.train.compile:
+        check_compiler(info.device, traits)
+    watchdog.beat("model", training=False)
+    model, moe, balance, active_parameters = trainable_model(cfg, tokenizer, info, work_dir, traits, say)
+    seed_everything(cfg.train.seed)
+    engine = build_engine(
+        engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe
+    )
+    planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
+
+    def steps_from(start_step: int) -> StepGroups:
+        return step_groups(planner, cfg.train.gradient_accumulation, start_step)
+
+    fault = injected_fault()
+    if fault is not None:  # the hang and resume tests' faults, around the engine and the data
+        injector = FaultInjector(fault, info.rank, watchdog)
+        engine = injector.wrap_engine(engine)
+        plain_steps = steps_from
+
+        def steps_from(start_step: int) -> StepGroups:
+            return injector.wrap_steps(plain_steps(start_step), start_step)
+
+    RECORDER.track_modules(engine.unwrapped)
+    return RunParts(
+        cfg=cfg,
+        work_dir=work_dir,
+        tokenizer=tokenizer,
+        template=template,
+        engine=engine,
+        moe=moe,
+        planner=planner,
+        steps_from=steps_from,
+        watchdog=watchdog,
+        balance=balance,
+        validation=validation_split(cfg, data, tokenizer, info),
+        active_parameters=active_parameters,
+    )
+
+
+def load_data(cfg: Config, tokenizer, template, info: DistInfo, say: Say) -> PreparedData:
+    """Tokenized (or cached) splits with their reports printed; no trainable sample left is an error."""
     data = prepare_data(cfg.data, tokenizer, template, info.rank, info.world_size)
     for split in (data.train, data.validation):
         if split is not None:
@@ -151,24 +196,28 @@ def _train(
             say("\n".join(format_report(split.report)))
     if len(data.train.data) == 0:
         raise UserError(f"data: no trainable samples left in {', '.join(cfg.data.train_files)}; see the report above")
+    return data
 
-    if cfg.watchdog.doctor != "off":
-        checks = run_checks(cfg, engine_name, info.world_size, tokenizer, len(data.train.data))
-        say(format_checks(checks))
-        failed = [c for c in checks if c.status == FAIL]
-        if failed and cfg.watchdog.doctor == "fail":
-            raise UserError(
-                "doctor: " + "; ".join(f"{c.name}: {c.fix}" for c in failed) + " (watchdog.doctor=warn to go on)"
-            )
 
-    traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
-    if cfg.train.compile:
-        check_compiler(info.device, traits)
-    watchdog.beat("model", training=False)
+def preflight(cfg: Config, engine_name: str, info: DistInfo, tokenizer, num_samples: int, say: Say) -> None:
+    """The doctor's checks; a failed one stops the run unless `watchdog.doctor=warn`."""
+    checks = run_checks(cfg, engine_name, info.world_size, tokenizer, num_samples)
+    say(format_checks(checks))
+    failed = [c for c in checks if c.status == FAIL]
+    if failed and cfg.watchdog.doctor == "fail":
+        raise UserError(
+            "doctor: " + "; ".join(f"{c.name}: {c.fix}" for c in failed) + " (watchdog.doctor=warn to go on)"
+        )
+
+
+def trainable_model(
+    cfg: Config, tokenizer, info: DistInfo, work_dir: Path, traits: EngineTraits, say: Say
+) -> tuple[torch.nn.Module, MoEMap, RouterBalance | None, int]:
+    """The loaded model made trainable (adapters or frozen parts), its MoE map (found on the base model before
+    adapters wrap it), the router balance hooks, and the parameters a token multiplies with."""
     model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded)
-    architecture = type(model).__name__
-    model_config = model.config
-    moe = find_moe(model)  # on the base model: adapters on experts hide their stacked layout
+    architecture, model_config = type(model).__name__, model.config
+    moe = find_moe(model)
     if moe:
         say(moe.describe())
     model, notes = make_trainable(model, cfg.model, cfg.train.gradient_checkpointing, moe)
@@ -181,21 +230,15 @@ def _train(
         f"model: {architecture}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable "
         f"({100 * trainable / total:.2f}%), weights {cfg.model.dtype}, compute {cfg.train.precision}"
     )
-
     balance, balance_note = attach_router_balance(moe, model_config, cfg.train.router_aux_loss_coef)
     if balance_note:
         say(balance_note)
+    return model, moe, balance, active_matmul_parameters(model, moe)  # counted before an engine shards it
 
-    active_parameters = active_matmul_parameters(model, moe)  # before an engine shards it
-    seed_everything(cfg.train.seed)
-    engine = build_engine(
-        engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe
-    )
-    planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
-    RECORDER.track_modules(engine.unwrapped)
-    validation = None
+
+def validation_split(cfg: Config, data: PreparedData, tokenizer, info: DistInfo) -> list[MicroBatch] | None:
     if data.validation is not None and len(data.validation.data):
-        validation = list(
+        return list(
             validation_batches(
                 data.validation.data,
                 cfg.train.micro_batch_size,
@@ -206,13 +249,17 @@ def _train(
                 cfg.data.max_length,
             )
         )
-    elif cfg.checkpoint.keep_best:
+    if cfg.checkpoint.keep_best:
         raise UserError(
             "checkpoint.keep_best needs a validation split: set data.validation_files or validation_fraction"
         )
-    trainer = Trainer(
-        cfg, engine, tokenizer, template, planner, work_dir, watchdog, balance, validation, active_parameters
-    )
+    return None
+
+
+def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | None) -> dict:
+    """The loop from the start or a checkpoint, then the exact-match evaluation and the closing summary."""
+    cfg, engine, work_dir = parts.cfg, parts.engine, parts.work_dir
+    trainer = Trainer(parts)
     global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation * info.world_size
     say(
         f"train: {trainer.total_steps} optimizer steps of {cfg.train.gradient_accumulation} x "
@@ -238,29 +285,8 @@ def _train(
     summary: dict = {"steps": len(history), "final_loss": history[-1]["loss"] if history else None}
     if history and "val_loss" in history[-1]:
         summary["val_loss"] = history[-1]["val_loss"]
-
-    match_cfg = cfg.eval.exact_match
-    if match_cfg is not None:
-        watchdog.beat("eval")
-        # Every rank generates (no collectives for single/DDP; sharded engines need all ranks in lockstep).
-        result = exact_match(
-            engine.unwrapped,
-            tokenizer,
-            template,
-            match_cfg.file,
-            match_cfg.label,
-            cfg.data.system,
-            match_cfg.max_new_tokens,
-            match_cfg.batch_size,
-            cfg.train.precision,
-            synced=engine.sharded and info.distributed,
-            on_batch=lambda: watchdog.beat("eval"),
-        )
-        if info.is_main:
-            write_result(result, work_dir / "eval.json")
-        say(f"{result.label} accuracy: {result.accuracy:.3f}")
-        say(f"({result.correct}/{result.total} exact matches; details in {work_dir / 'eval.json'})")
-        summary["accuracy"] = result.accuracy
+    if cfg.eval.exact_match is not None:
+        summary["accuracy"] = evaluate_exact_match(parts, info, say)
     plot_line = plot_at_end(work_dir) if info.is_main and cfg.log.plot and history else None
     for line in closing_summary(history, work_dir, cfg):
         say(line)
@@ -268,6 +294,30 @@ def _train(
         say(plot_line)
     barrier(info)
     return summary
+
+
+def evaluate_exact_match(parts: RunParts, info: DistInfo, say: Say) -> float:
+    cfg, engine, match_cfg = parts.cfg, parts.engine, parts.cfg.eval.exact_match
+    parts.watchdog.beat("eval")
+    # Every rank generates (no collectives for single/DDP; sharded engines need all ranks in lockstep).
+    result = exact_match(
+        engine.unwrapped,
+        parts.tokenizer,
+        parts.template,
+        match_cfg.file,
+        match_cfg.label,
+        cfg.data.system,
+        match_cfg.max_new_tokens,
+        match_cfg.batch_size,
+        cfg.train.precision,
+        synced=engine.sharded and info.distributed,
+        on_batch=lambda: parts.watchdog.beat("eval"),
+    )
+    if info.is_main:
+        write_result(result, parts.work_dir / "eval.json")
+    say(f"{result.label} accuracy: {result.accuracy:.3f}")
+    say(f"({result.correct}/{result.total} exact matches; details in {parts.work_dir / 'eval.json'})")
+    return result.accuracy
 
 
 def closing_summary(history: list[dict], work_dir: Path, cfg: Config) -> list[str]:

@@ -1,5 +1,5 @@
-"""Figures for the step line: peak memory, model FLOP/s and, on GPUs whose peak is known, the model FLOPs
-utilisation."""
+"""Figures for the step line: peak memory and the parameters a token multiplies with (for model FLOP/s and, on
+GPUs whose peak `estimate.hardware` knows, the model FLOPs utilisation)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ from torch import nn
 
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.quantize import stored_numel
-
-GPU_PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
-"""Dense bf16 tensor-core peaks from the vendors' data sheets, matched against the device name."""
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -31,10 +28,3 @@ def active_matmul_parameters(model: nn.Module, moe: MoEMap) -> int:
     if embedding is not None:
         total -= embedding.weight.numel()
     return total - moe.idle_numel()
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in GPU_PEAK_BF16_FLOPS.items() if key in name), None)

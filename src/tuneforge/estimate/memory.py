@@ -1,0 +1,132 @@
+"""Memory per GPU and host RAM per node: weights, gradients, optimizer state, gathered layers, activations,
+the loss, and what the CUDA context takes, placed where the engine keeps them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tuneforge.config.schema import Config
+from tuneforge.engines.base import EngineTraits
+from tuneforge.estimate.hardware import GIB
+from tuneforge.estimate.shapes import ModelShapes
+from tuneforge.train.fused_loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
+
+GATHERED_LAYERS = 2  # sharded engines hold the decoder layer computing and the one prefetched, unsharded
+LOGITS_BYTES = 12  # per logit: bf16 logits, their fp32 copy for the loss, and its fp32 gradient
+FUSED_LOGIT_BYTES = 10  # per logit of one fused-loss chunk: fp32 logits, fp32 softmax, its 16-bit cast
+CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation (not measured here)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    gpu: float
+    """Bytes on each GPU."""
+    host: float = 0.0
+    """Bytes of host RAM per node."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    rows: list[Row]
+    load_gpu: float
+    """Bytes on each GPU while loading: the model is whole there before the engine shards it."""
+    load_host: float
+    """Bytes of host RAM per node while loading (each rank reads the whole model)."""
+    trainable_bytes: int
+    """Bytes per trainable value (and its gradient)."""
+
+
+def _count(values: float) -> str:
+    return f"{values / 1e9:.2f}B" if values >= 1e8 else f"{values / 1e6:.1f}M"
+
+
+def memory_use(
+    cfg: Config,
+    s: ModelShapes,
+    traits: EngineTraits,
+    world_size: int,
+    per_node: int,
+    compute_bytes: int,
+    kbit: float,
+) -> Memory:
+    """Where every byte of a training step lives, for `world_size` ranks with `per_node` to a node."""
+    par, train, quantization = cfg.parallel, cfg.train, cfg.model.quantization
+    mixed = compute_bytes == 2
+    deepspeed_cast = traits.casts_parameters and mixed  # DeepSpeed casts every parameter to the compute dtype
+    model_bytes = DTYPE_BYTES[cfg.model.dtype]
+    # PEFT's k-bit preparation upcasts what is not quantized to fp32; DeepSpeed then casts it back.
+    frozen_bytes = 2 if deepspeed_cast else 4 if quantization is not None else model_bytes
+
+    sharded_engine = traits.shards_anything
+    stage = traits.shard_stage
+    offload_weights = par.cpu_offload == "all"
+    offload_optimizer = par.cpu_offload != "none"
+
+    def place(label: str, total: float, min_stage: int, offloaded: bool) -> Row:
+        per_rank = total / world_size if sharded_engine and stage >= min_stage else total
+        return Row(label, 0.0, per_rank * per_node) if offloaded else Row(label, per_rank)
+
+    if deepspeed_cast:
+        weight_b, grad_b, optim_b = 2, 2, 12 + (4 if offload_optimizer else 0)  # fp32 master, moments, grads
+        optim_what = "fp32 master, 2 moments" + (", fp32 grads" if offload_optimizer else "")
+    else:
+        weight_b = 4 if cfg.model.lora is not None else model_bytes  # PEFT keeps adapters in fp32
+        grad_b, optim_b = weight_b, 2 * weight_b
+        optim_what = f"2 moments in {'fp32' if weight_b == 4 else '16-bit'}"
+    frozen_dtype = {2: "16-bit", 4: "fp32"}[frozen_bytes]
+    base_label = f"base weights: {_count(s.frozen)} {frozen_dtype}"
+    if quantization is not None:
+        base_label = f"base weights: {_count(s.quantized)} {quantization.bits}-bit + {_count(s.frozen)} {frozen_dtype}"
+    rows = [
+        place(base_label, s.quantized * kbit + s.frozen * frozen_bytes, 3, offload_weights),
+        place(f"trainable: {_count(s.trainable)} ({weight_b} B each)", s.trainable * weight_b, 3, offload_weights),
+        place("gradients", s.trainable * grad_b, 2, offload_optimizer),  # DeepSpeed keeps them with the optimizer
+        place(f"optimizer: AdamW {optim_what}", s.trainable * optim_b, 1, offload_optimizer),
+    ]
+    if not s.quantized and not s.frozen:
+        rows.pop(0)  # full fine-tuning: no frozen base
+    if traits.sharded:
+        gathered = GATHERED_LAYERS * (s.layer_quantized * kbit + s.layer_other * compute_bytes)
+        gathered += s.outside_layers * compute_bytes
+        rows.append(Row(f"gathered for compute: {GATHERED_LAYERS} layers + embeddings/head", gathered))
+    checkpointing = train.gradient_checkpointing
+    if s.stacked_adapted:
+        per_layer = s.stacked_adapted / s.stacked_layers
+        kept = 1 if checkpointing else s.stacked_layers
+        rows.append(
+            Row(
+                f"expert adapters: W + B@A, {kept} of {s.stacked_layers} layers",
+                per_layer * (kept * compute_bytes + 4 + compute_bytes),  # + one fp32 delta and W's gradient
+            )
+        )
+    tokens_micro = train.micro_batch_size * cfg.data.max_length
+    if checkpointing:
+        per_token = s.layers * s.hidden + s.act_max_layer  # layer inputs, one layer recomputed
+        act_how = "checkpointed"
+    else:
+        per_token = s.act_total
+        act_how = "all layers"
+    rows.append(
+        Row(
+            f"activations: {train.micro_batch_size} x {cfg.data.max_length} tokens, {act_how}",
+            tokens_micro * per_token * compute_bytes,
+        )
+    )
+    head_wrapped = cfg.model.lora is not None and "lm_head" in (cfg.model.lora.modules_to_save or [])
+    if not traits.fuses_output_layer or head_wrapped:  # the model's own logits for the whole batch
+        rows.append(Row(f"logits and loss: {tokens_micro} x {s.vocab}", tokens_micro * s.vocab * LOGITS_BYTES))
+    else:  # the fused loss holds one chunk of logits and the hidden states' gradient
+        chunk = min(tokens_micro, max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // s.vocab))
+        fused = chunk * s.vocab * FUSED_LOGIT_BYTES + tokens_micro * s.hidden * compute_bytes
+        rows.append(Row(f"fused loss: {chunk} x {s.vocab} logits at a time", fused))
+    rows.append(Row("CUDA context, NCCL, fragmentation", CUDA_OVERHEAD_GIB * GIB))
+
+    total_params = s.quantized + s.frozen + s.trainable
+    if quantization is not None:  # loaded onto each GPU, the rest upcast to fp32 before the engine casts it
+        load_gpu, load_host = s.quantized * kbit + (s.frozen + s.trainable) * 4, 0.0
+    else:  # each rank reads the whole model into host RAM; the engine moves it whole to its GPU to shard it
+        load_host = per_node * total_params * model_bytes
+        load_gpu = total_params * model_bytes if sharded_engine and not offload_weights else 0.0
+    return Memory(rows, load_gpu, load_host, weight_b)

@@ -1,0 +1,164 @@
+"""What the estimate needs from a model's shapes: parameters by kind (k-bit, frozen, trainable, routed),
+what a token multiplies with, and the activations it leaves per layer."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+from tuneforge.config.schema import Config
+from tuneforge.model.adapters import resolve_lora_targets
+from tuneforge.model.moe import MoEBlock, MoEMap
+from tuneforge.model.quantize import matches_module_name, quantized_linears
+from tuneforge.model.structure import decoder_layers
+
+QUANT_BLOCK = 64  # bitsandbytes 4-bit: one absmax constant per 64 weights (fp32, or 8-bit with double quant)
+DOUBLE_QUANT_GROUP = 256  # double quantization: one fp32 constant per 256 absmax values
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    quantized: int
+    """Weights stored in k bits."""
+    frozen: int
+    """Other parameters that do not train (the whole base under LoRA)."""
+    trainable: int
+    adapter_active: float
+    """Adapter parameters a token multiplies with (module adapters only)."""
+    stacked_adapted: int
+    """Values of stacked expert weights with adapters: W + B@A is formed in full every pass."""
+    stacked_layers: int
+    active: float
+    """Parameters a token multiplies with (routed experts by their top-k share, no input embedding)."""
+    active_quantized: float
+    active_routed: float
+    active_trainable: float
+    layers: int
+    hidden: int
+    vocab: int
+    layer_quantized: int
+    """Quantized values of the largest decoder layer (what is gathered at once)."""
+    layer_other: int
+    outside_layers: int
+    """Parameters outside the decoder layers (embeddings, head, final norm)."""
+    act_total: float
+    """Activation bytes per token per compute byte, summed over layers (no checkpointing)."""
+    act_max_layer: float
+
+
+def _routed_parameters(model: nn.Module, moe: MoEMap) -> Iterator[tuple[MoEBlock, nn.Parameter]]:
+    for block in moe:
+        for name, _ in block.expert_shapes:
+            yield block, model.get_parameter(f"{block.experts_path}.{name}")
+
+
+def _activity(model: nn.Module, moe: MoEMap) -> dict[int, float]:
+    """Share of tokens that multiply with each parameter, where it is not 1."""
+    share: dict[int, float] = {}
+    for block, param in _routed_parameters(model, moe):
+        share[id(param)] = min(1.0, block.top_k / block.num_experts) if block.top_k else 1.0
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embedding is not None and (head is None or head.weight is not embedding.weight):
+        share[id(embedding.weight)] = 0.0  # a lookup, not a matmul
+    return share
+
+
+def _saved_values(param: nn.Parameter, activity: float) -> float:
+    """Activation values a token leaves for backward around one weight: a matmul's input and output (the
+    output feeds the next op, which keeps it); a norm's input. For a GPT layer this gives the 34 x hidden
+    bytes per token of Korthikanti et al. (2022) without attention's s x s term (SDPA/flash keep none)."""
+    if param.ndim == 3:  # stacked experts x d1 x d2: each routed copy of the token
+        return activity * param.shape[0] * (param.shape[1] + param.shape[2])
+    if param.ndim == 2:
+        return activity * (param.shape[0] + param.shape[1])
+    return param.numel()
+
+
+def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int) -> ModelShapes:
+    share = _activity(model, moe)
+    quantization = cfg.model.quantization
+    quantized_ids = set()
+    if quantization is not None:
+        quantized_ids = {id(module.weight) for _, module in quantized_linears(model, quantization)}
+    params = list(model.parameters())
+    active = {id(p): share.get(id(p), 1.0) * p.numel() for p in params}
+    routed_ids = {id(p) for _, p in _routed_parameters(model, moe)}
+
+    lora = cfg.model.lora
+    trainable_ids: set[int] = set()
+    adapters: dict[str, float] = {}  # module name -> adapter parameters
+    stacked: list[nn.Parameter] = []
+    extra = 0
+    if lora is not None:
+        targets = resolve_lora_targets(model, lora, moe)
+        for name in targets.modules:
+            module = model.get_submodule(name)
+            adapters[name] = lora.r * (module.in_features + module.out_features) + (
+                module.out_features if lora.use_dora else 0
+            )
+        for name in targets.parameters:
+            param = model.get_parameter(name)
+            stacked.append(param)
+            extra += param.shape[0] * lora.r * (param.shape[1] + param.shape[2])
+        for name, module in model.named_modules():
+            if lora.modules_to_save and matches_module_name(name, lora.modules_to_save):
+                extra += sum(p.numel() for p in module.parameters())
+    else:
+        patterns = [re.compile(p) for p in cfg.model.freeze]
+        trainable_ids = {id(p) for n, p in model.named_parameters() if not any(r.search(n) for r in patterns)}
+    trainable = sum(p.numel() for p in params if id(p) in trainable_ids) + int(sum(adapters.values())) + extra
+    quantized = sum(p.numel() for p in params if id(p) in quantized_ids)
+    frozen = sum(p.numel() for p in params if id(p) not in quantized_ids and id(p) not in trainable_ids)
+
+    names = {id(module): name for name, module in model.named_modules()}
+    lora_saved: dict[str, float] = {}
+    if lora is not None:  # bytes per token and compute byte: the dropped-out input and its mask, A's output
+        for name in adapters:
+            module = model.get_submodule(name)
+            dropout = module.in_features * (1 + 1 / compute_bytes) if lora.dropout > 0 else 0.0
+            lora_saved[name] = share.get(id(module.weight), 1.0) * (dropout + lora.r)
+    layers = decoder_layers(model)
+    per_layer = []
+    layer_quantized, layer_other, in_layers = 0, 0, 0
+    for layer in layers:
+        values = sum(_saved_values(p, share.get(id(p), 1.0)) for p in layer.parameters())
+        values += sum(lora_saved.get(names[id(m)], 0.0) for m in layer.modules())
+        per_layer.append(values)
+        q = sum(p.numel() for p in layer.parameters() if id(p) in quantized_ids)
+        n = sum(p.numel() for p in layer.parameters())
+        in_layers += n
+        if n > layer_quantized + layer_other:
+            layer_quantized, layer_other = q, n - q
+    stacked_ids = {id(p) for p in stacked}
+    return ModelShapes(
+        quantized=quantized,
+        frozen=frozen,
+        trainable=trainable,
+        adapter_active=sum(share.get(id(model.get_submodule(n).weight), 1.0) * count for n, count in adapters.items()),
+        stacked_adapted=sum(p.numel() for p in stacked),
+        stacked_layers=sum(1 for layer in layers if any(id(p) in stacked_ids for p in layer.parameters())),
+        active=sum(active.values()),
+        active_quantized=sum(v for k, v in active.items() if k in quantized_ids),
+        active_routed=sum(v for k, v in active.items() if k in routed_ids and k not in quantized_ids),
+        active_trainable=sum(v for k, v in active.items() if k in trainable_ids)
+        + sum(share.get(id(p), 1.0) * p.numel() for p in stacked),
+        layers=len(layers),
+        hidden=model.config.hidden_size,
+        vocab=model.get_output_embeddings().weight.shape[0],
+        layer_quantized=layer_quantized,
+        layer_other=layer_other,
+        outside_layers=sum(p.numel() for p in params) - in_layers,
+        act_total=sum(per_layer),
+        act_max_layer=max(per_layer),
+    )
+
+
+def kbit_bytes(bits: int, double_quant: bool) -> float:
+    """Bytes per k-bit weight, quantization constants included."""
+    if bits == 8:
+        return 1.0  # plus one fp32 scale per row: negligible
+    constants = 8 / QUANT_BLOCK + 32 / (QUANT_BLOCK * DOUBLE_QUANT_GROUP) if double_quant else 32 / QUANT_BLOCK
+    return (4 + constants) / 8

@@ -1,0 +1,92 @@
+"""Time per optimizer step: compute at an assumed share of the peak, the memory-bound expert adapter deltas,
+collectives, and host transfers and the CPU optimizer under offload."""
+
+from __future__ import annotations
+
+from tuneforge.config.schema import Config
+from tuneforge.engines.base import EngineTraits
+from tuneforge.estimate.hardware import Accelerator
+from tuneforge.estimate.shapes import ModelShapes
+
+BASE_MFU = 0.35  # share of peak bf16 FLOP/s a Hugging Face model reaches in training with SDPA/flash attention
+QUANTIZED_EFFICIENCY = 0.5  # k-bit layers dequantize their weight before each matmul: about half the throughput
+EXPERT_EFFICIENCY = 0.5  # routed experts: many small per-expert matmuls plus token gather/scatter: about half
+GATHER_PASSES = 2  # sharded weights are gathered for forward and again for backward (recompute reuses it)
+DELTA_BYTES = 16  # per stacked expert weight value and pass: fp32 delta B@A written, cast, added to W
+PCIE_BYTES_PER_S = 25e9  # host <-> GPU per GPU with pinned memory (PCIe Gen4 x16 in practice; Gen5 up to ~50)
+NVLINK_BYTES_PER_S = 200e9  # all-gather/reduce-scatter bandwidth per GPU inside one NVLink node, per-layer sizes
+NETWORK_BYTES_PER_S = 40e9  # the same across nodes: one 400 Gb/s NIC per GPU
+CPU_ADAM_PARAMS_PER_S = 2e8  # parameters one rank's torch AdamW updates per second on the host's shared cores
+
+
+def _count(values: float) -> str:
+    return f"{values / 1e9:.2f}B" if values >= 1e8 else f"{values / 1e6:.1f}M"
+
+
+def step_times(
+    cfg: Config,
+    s: ModelShapes,
+    traits: EngineTraits,
+    world_size: int,
+    per_node: int,
+    accelerator: Accelerator,
+    kbit: float,
+    compute_bytes: int,
+    grad_bytes: int,
+) -> tuple[list[tuple[str, float, str]], float | None]:
+    if accelerator.bf16_flops is None:
+        return [], None
+    train, par = cfg.train, cfg.parallel
+    micro = train.gradient_accumulation
+    tokens_micro = train.micro_batch_size * cfg.data.max_length
+    passes = 4 + (2 if train.gradient_checkpointing else 0)  # forward, input gradients, recompute: 2 each
+    rate = accelerator.bf16_flops * BASE_MFU
+    other = s.active - s.active_quantized - s.active_routed
+    weighted = passes * (other + s.active_quantized / QUANTIZED_EFFICIENCY + s.active_routed / EXPERT_EFFICIENCY)
+    weighted += 2 * s.active_trainable + 6 * s.adapter_active  # weight gradients; adapter matmuls
+    flops_token = passes * s.active + 2 * s.active_trainable + 6 * s.adapter_active
+    compute = micro * tokens_micro * weighted / rate
+    mfu_note = (
+        f"MFU {BASE_MFU}"
+        + (f", routed experts x{EXPERT_EFFICIENCY}" if s.active_routed else "")
+        + (f", k-bit layers x{QUANTIZED_EFFICIENCY}" if s.active_quantized else "")
+    )
+    times = [("compute", compute, f"{flops_token / 1e9:.1f} GFLOP/token, {mfu_note}")]
+    gpu_s = compute
+    if s.stacked_adapted:  # W + B@A formed in full on every pass: memory-bound on the GPU
+        delta_passes = 2 + (1 if train.gradient_checkpointing else 0)
+        flops = 2 * cfg.model.lora.r * s.stacked_adapted / rate
+        memory = DELTA_BYTES * s.stacked_adapted / (accelerator.memory_bytes_per_s or 2e12)
+        delta = micro * delta_passes * max(flops, memory)
+        times.append(("expert adapter deltas", delta, f"{_count(s.stacked_adapted)} values formed {delta_passes}x"))
+        gpu_s += delta
+
+    sharded3 = traits.sharded
+    gather_bytes = s.quantized * kbit + (s.frozen + s.trainable) * compute_bytes
+    spread = (world_size - 1) / world_size
+    collective = 0.0
+    if world_size > 1:
+        bandwidth = NVLINK_BYTES_PER_S if world_size <= per_node else NETWORK_BYTES_PER_S
+        if sharded3:
+            collective += micro * GATHER_PASSES * gather_bytes * spread
+        reductions = micro if traits.reduces_every_micro_batch else 1  # FSDP and DDP sync at the last micro-batch
+        all_reduce = not traits.shards_anything  # an all-reduce moves twice a reduce-scatter's bytes
+        collective += reductions * s.trainable * grad_bytes * spread * (2 if all_reduce else 1)
+        collective /= bandwidth
+        times.append(("collectives", collective, "overlap compute (prefetch)"))
+
+    host = 0.0
+    if par.cpu_offload == "all":
+        host += micro * GATHER_PASSES * gather_bytes / world_size  # each rank uploads its shard per pass
+    if par.cpu_offload != "none":
+        grads_out = micro if traits.reduces_every_micro_batch else 1  # DeepSpeed accumulates them on the host
+        host += grads_out * s.trainable * grad_bytes / world_size
+        if par.cpu_offload == "optimizer":
+            host += s.trainable * compute_bytes / world_size  # updated weights back
+        times.append(("PCIe host transfers", host / PCIE_BYTES_PER_S, f"{host / 1e9:.1f} GB per GPU"))
+        adam = s.trainable / world_size / CPU_ADAM_PARAMS_PER_S
+        times.append(("CPU AdamW", adam, f"{_count(s.trainable / world_size)} parameters per rank"))
+        host_s = host / PCIE_BYTES_PER_S + adam
+    else:
+        host_s = 0.0
+    return times, max(gpu_s, collective) + host_s

@@ -1,0 +1,38 @@
+"""The parts of one training run, built once by `run.setup` and handed to the loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from tuneforge.config.schema import Config
+from tuneforge.data.batching import BatchPlanner, MicroBatch
+from tuneforge.data.templates import ChatTemplate
+from tuneforge.engines import Engine
+from tuneforge.model.moe import MoEMap
+from tuneforge.model.router_balance import RouterBalance
+from tuneforge.watchdog import StallWatchdog
+
+StepGroups = Iterator[tuple[int, list[MicroBatch]]]
+"""(epoch, the micro-batches of one optimizer step), step after step."""
+
+
+@dataclass
+class RunParts:
+    cfg: Config
+    work_dir: Path
+    tokenizer: PreTrainedTokenizerBase
+    template: ChatTemplate
+    engine: Engine
+    moe: MoEMap
+    planner: BatchPlanner
+    steps_from: Callable[[int], StepGroups]
+    """The step groups from a step on (0: the start): the data position of a fresh or resumed run."""
+    watchdog: StallWatchdog
+    balance: RouterBalance | None = None
+    validation: list[MicroBatch] | None = None
+    active_parameters: int = 0
+    """Parameters a token multiplies with, for model FLOPs (counted before the engine sharded them)."""
