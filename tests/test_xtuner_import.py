@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tuneforge.config.load import load_config
 from tuneforge.errors import UserError
-from tuneforge.xtuner.mapping import import_config
+from tuneforge.xtuner.mapping import import_config, to_yaml
 
 from conftest import REPO, TUNEFORGE, free_port
 
@@ -68,6 +70,196 @@ def test_the_original_report_text_gets_a_located_error(tmp_path):
     path = tmp_path / "broken.py"
     path.write_text("max_length = 2048\ndata_files = [数据地址\n")
     with pytest.raises(UserError, match=r"broken.py:2: not valid Python .*quoted path"):
+        import_config(path)
+
+
+# An xtuner 0.1.x gallery-style Alpaca config: its system prompt and template are reached through xtuner's
+# own `SYSTEM_TEMPLATE` / `PROMPT_TEMPLATE`, and its sampler through a conditional, as in the gallery.
+ALPACA_CONFIG = """\
+import torch
+from datasets import load_dataset
+from mmengine.dataset import DefaultSampler
+from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
+from torch.optim import AdamW
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from xtuner.dataset import process_hf_dataset
+from xtuner.dataset.collate_fns import default_collate_fn
+from xtuner.dataset.map_fns import alpaca_map_fn, template_map_fn_factory
+from xtuner.engine.hooks import EvaluateChatHook
+from xtuner.engine.runner import TrainLoop
+from xtuner.model import SupervisedFinetune
+from xtuner.parallel.sequence import SequenceParallelSampler
+from xtuner.utils import PROMPT_TEMPLATE, SYSTEM_TEMPLATE
+
+pretrained_model_name_or_path = 'internlm/internlm2-chat-1_8b'
+data_files = ['data/alpaca.jsonl']
+prompt_template = PROMPT_TEMPLATE.made_up_chat
+max_length = 1024
+sequence_parallel_size = 1
+batch_size = 2
+accumulative_counts = 4
+max_epochs = 1
+lr = 2e-4
+warmup_ratio = 0.03
+SYSTEM = SYSTEM_TEMPLATE.alpaca
+evaluation_inputs = ['Name three primary colours.']
+
+tokenizer = dict(
+    type=AutoTokenizer.from_pretrained,
+    pretrained_model_name_or_path=pretrained_model_name_or_path,
+    trust_remote_code=True,
+    padding_side='right')
+model = dict(
+    type=SupervisedFinetune,
+    llm=dict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=pretrained_model_name_or_path,
+        trust_remote_code=True,
+        torch_dtype=torch.bfloat16))
+train_dataset = dict(
+    type=process_hf_dataset,
+    dataset=dict(type=load_dataset, path='json', data_files=data_files),
+    tokenizer=tokenizer,
+    max_length=max_length,
+    dataset_map_fn=alpaca_map_fn,
+    template_map_fn=dict(type=template_map_fn_factory, template=prompt_template),
+    pack_to_max_length=False)
+sampler = SequenceParallelSampler if sequence_parallel_size > 1 else DefaultSampler
+train_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=0,
+    dataset=train_dataset,
+    sampler=dict(type=sampler, shuffle=True),
+    collate_fn=dict(type=default_collate_fn))
+optim_wrapper = dict(
+    type=AmpOptimWrapper,
+    optimizer=dict(type=AdamW, lr=lr, betas=(0.9, 0.999), weight_decay=0),
+    clip_grad=dict(max_norm=1, error_if_nonfinite=False),
+    accumulative_counts=accumulative_counts,
+    loss_scale='dynamic',
+    dtype='float16')
+param_scheduler = [
+    dict(type=LinearLR, start_factor=1e-5, by_epoch=True, begin=0, end=warmup_ratio * max_epochs,
+         convert_to_iter_based=True),
+    dict(type=CosineAnnealingLR, eta_min=0.0, by_epoch=True, begin=warmup_ratio * max_epochs, end=max_epochs,
+         convert_to_iter_based=True),
+]
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+custom_hooks = [
+    dict(type=EvaluateChatHook, tokenizer=tokenizer, every_n_iters=100, evaluation_inputs=evaluation_inputs,
+         system=SYSTEM, prompt_template=prompt_template),
+]
+randomness = dict(seed=None, deterministic=False)
+"""
+
+# Made-up texts in xtuner's templates.py layout: only their shape is xtuner's.
+MADE_UP_SYSTEM = "You are a test assistant made up for tuneforge.\n"
+MADE_UP_TEMPLATES = f"""\
+from mmengine.config import ConfigDict
+
+PROMPT_TEMPLATE = ConfigDict(
+    made_up_chat=dict(
+        SYSTEM='<|sys|>{{system}}\\n',
+        INSTRUCTION='<|usr|>{{input}}\\n<|bot|>',
+        SUFFIX='<|end|>',
+        SUFFIX_AS_EOS=True,
+        SEP='\\n',
+        STOP_WORDS=['<|end|>']),
+)
+SYSTEM_TEMPLATE = ConfigDict(alpaca={MADE_UP_SYSTEM!r})
+"""
+
+
+def _config(tmp_path: Path, text: str = ALPACA_CONFIG) -> Path:
+    path = tmp_path / "cfg.py"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_xtuner_templates_are_read_from_its_installed_package_never_imported(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    (site / "xtuner" / "utils").mkdir(parents=True)
+    # Importing the fake package would fail: the templates must be read, not run.
+    (site / "xtuner" / "__init__.py").write_text("raise RuntimeError('xtuner was imported')\n")
+    (site / "xtuner" / "utils" / "__init__.py").write_text("raise RuntimeError('xtuner.utils was imported')\n")
+    (site / "xtuner" / "utils" / "templates.py").write_text(MADE_UP_TEMPLATES)
+    monkeypatch.syspath_prepend(str(site))
+    result = import_config(_config(tmp_path))
+    assert "xtuner" not in sys.modules
+    assert result.unmapped == []
+    data = result.config["data"]
+    assert data["system"] == MADE_UP_SYSTEM and data["format"] == "alpaca"
+    assert data["template"] == {
+        "system": "<|sys|>{system}\n",
+        "instruction": "<|usr|>{input}\n<|bot|>",
+        "suffix": "<|end|>",
+        "suffix_as_eos": True,
+        "sep": "\n",
+        "stop_words": ["<|end|>"],
+    }
+    assert result.config["train"]["micro_batch_size"] == 2  # the dataloader after the conditional sampler
+    out = tmp_path / "imported.yaml"
+    out.write_text(to_yaml(result, tmp_path / "cfg.py"))
+    config = load_config(out)
+    assert config.data.system == MADE_UP_SYSTEM and config.data.template.suffix_as_eos
+
+
+def test_without_xtuner_its_templates_are_not_mapped_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p or ".") / "xtuner").exists()])
+    path = _config(tmp_path)
+    result = import_config(path)
+    lines = ALPACA_CONFIG.splitlines()
+    reasons = {what: (line, why) for line, what, why in result.unmapped}
+    line, why = reasons["EvaluateChatHook.system = xtuner.utils.SYSTEM_TEMPLATE.alpaca"]
+    assert "system=SYSTEM" in lines[line - 1]
+    assert "not installed here: pip install xtuner==0.1.23 --no-deps, or set data.system" in why
+    line, why = reasons["prompt template xtuner.utils.PROMPT_TEMPLATE.made_up_chat"]
+    assert "template=prompt_template" in lines[line - 1] and why.endswith("or set data.template")
+    assert "system" not in result.config["data"] and "template" not in result.config["data"]
+    assert "# NOT MAPPED (line" in to_yaml(result, path)  # and nothing unresolved reaches the YAML dumper
+
+
+def test_data_files_given_as_a_call_is_not_mapped_at_its_line(tmp_path):
+    text = ALPACA_CONFIG.replace(
+        "from xtuner.utils import", "from my_project.data import list_shards\nfrom xtuner.utils import"
+    ).replace("data_files = ['data/alpaca.jsonl']", "data_files = list_shards(root='data/alpaca')")
+    text = text.replace("optimizer=dict(type=AdamW, lr=lr,", "optimizer=dict(type=AdamW, lr=list_shards,")
+    path = _config(tmp_path, text)
+    result = import_config(path)
+    reasons = {what: (line, why) for line, what, why in result.unmapped}
+    line, why = reasons["data_files = list_shards(root)"]
+    assert "data_files=data_files" in text.splitlines()[line - 1] and "set data.train_files" in why
+    assert "train_files" not in result.config["data"]
+    # A symbol where a value belongs never reaches the YAML dumper either.
+    line, why = reasons["config.train.lr = my_project.data.list_shards"]
+    assert "lr=list_shards" in text.splitlines()[line - 1] and "lr" not in result.config["train"]
+    to_yaml(result, path)
+    # The `datasets` form dict(train=...) is the train split's files.
+    text = ALPACA_CONFIG.replace("data_files = ['data/alpaca.jsonl']", "data_files = dict(train='data/a.jsonl')")
+    result = import_config(_config(tmp_path, text))
+    assert result.config["data"]["train_files"] == [str(Path("data/a.jsonl").resolve())]
+
+
+def test_the_yaml_says_how_to_launch_it(tmp_path):
+    result = import_config(SEED, "deepspeed_zero3_offload", 4)
+    assert result.launch == "tuneforge train OUT.yaml --nproc-per-node 4"
+    assert "# launch: tuneforge train OUT.yaml --nproc-per-node 4  (OUT.yaml: this file)\n" in to_yaml(result, SEED)
+    out = tmp_path / "my.yaml"
+    assert f"# launch: tuneforge train {out} --nproc-per-node 4\n" in to_yaml(result, SEED, out)
+
+
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", b"model = dict()\x00\x01\x02"])
+def test_a_binary_file_gets_one_user_error(tmp_path, content):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=r"weights.bin: (not a text file|contains NUL bytes)"):
+        import_config(path)
+
+
+def test_preference_training_is_refused_naming_the_setting(tmp_path):
+    text = ALPACA_CONFIG.replace("from xtuner.model import SupervisedFinetune", "from xtuner.model.dpo import DPO")
+    path = _config(tmp_path, text.replace("type=SupervisedFinetune,", "type=DPO,"))
+    with pytest.raises(UserError, match=r"cfg.py:\d+: model type DPO cannot be carried over: preference training"):
         import_config(path)
 
 

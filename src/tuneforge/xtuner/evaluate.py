@@ -1,9 +1,10 @@
 """Read an xtuner 0.1.x (mmengine-style) Python config without executing it.
 
 The module's statements are walked with `ast`: assignments of literals, lists, dicts, `dict(...)` calls, names
-of earlier assignments, attribute paths (`PROMPT_TEMPLATE.deepseek_coder`, `torch.float16`), arithmetic, and
-`if` blocks whose condition can be decided. Imported names stay symbols (`Symbol("transformers.AutoTokenizer")`):
-nothing is imported, so neither xtuner nor mmengine is needed. Every value remembers its line for reports.
+of earlier assignments, attribute paths (`PROMPT_TEMPLATE.deepseek_coder`, `torch.float16`), arithmetic,
+comparisons, `A if cond else B` and `if` blocks whose condition can be decided without running anything.
+Imported names stay symbols (`Symbol("transformers.AutoTokenizer")`): nothing is imported, so neither xtuner
+nor mmengine is needed. Every value remembers its line for reports.
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class Unknown(Exception):
     """An expression outside the readable subset."""
 
 
+READ_ERRORS = (Unknown, TypeError, ValueError, ArithmeticError, RecursionError)
+"""What reading one expression may raise: that statement is then skipped and reported, never the whole file."""
+REPEAT_LIMIT = 1_000_000
+"""`'x' * n` or `[a] * n` past this many items is refused rather than built (a config has no use for it)."""
+
+
 BINARY = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -60,6 +67,20 @@ BINARY = {
     ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv,
 }
+COMPARE = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
+PLAIN = (str, int, float, bool, type(None), list, tuple, dict)
+"""Values a condition may compare: a symbol's truth or identity is only known when the code runs."""
 
 
 class Reader:
@@ -91,7 +112,31 @@ class Reader:
                 return Symbol(f"{base.path}.{node.attr}")
             raise Unknown(f"attribute {node.attr!r} of a value")
         if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
-            return BINARY[type(node.op)](self.value(node.left), self.value(node.right))
+            left, right = self.value(node.left), self.value(node.right)
+            if isinstance(node.op, ast.Mult) and any(
+                isinstance(a, (str, list, tuple)) and isinstance(b, int) and b * len(a) > REPEAT_LIMIT
+                for a, b in ((left, right), (right, left))
+            ):
+                raise Unknown("a repetition too large to build")
+            return BINARY[type(node.op)](left, right)
+        if isinstance(node, ast.IfExp):  # `A if cond else B`: gallery configs choose their sampler so
+            return self.value(node.body if self.condition(node.test) else node.orelse)
+        if isinstance(node, ast.BoolOp):  # Python's own: the first value that decides, not a bool
+            for item in node.values[:-1]:
+                value = self.plain(item)
+                if bool(value) is isinstance(node.op, ast.Or):
+                    return value
+            return self.value(node.values[-1])
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return not self.plain(node.operand)
+        if isinstance(node, ast.Compare):
+            left = self.plain(node.left)
+            for op, right_node in zip(node.ops, node.comparators, strict=True):
+                right = self.plain(right_node)
+                if not COMPARE[type(op)](left, right):
+                    return False
+                left = right
+            return True
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             operand = self.value(node.operand)
             return -operand if isinstance(node.op, ast.USub) else operand
@@ -108,6 +153,16 @@ class Reader:
             return Call(function, fields, lines, node.lineno)
         raise Unknown(type(node).__name__)
 
+    def condition(self, node: ast.expr) -> bool:
+        return bool(self.plain(node))
+
+    def plain(self, node: ast.expr) -> Any:
+        """A value whose truth and comparisons are known now; Unknown for an imported object's."""
+        value = self.value(node)
+        if not isinstance(value, PLAIN):
+            raise Unknown(f"the truth of {getattr(value, 'path', type(value).__name__)} is known only at run time")
+        return value
+
     def statement(self, node: ast.stmt) -> None:
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -123,8 +178,8 @@ class Reader:
             self._assign([name], ast.copy_location(combined, node), node.lineno)
         elif isinstance(node, ast.If):
             try:
-                taken = bool(self.value(node.test))
-            except Unknown as exc:
+                taken = self.condition(node.test)
+            except READ_ERRORS as exc:
                 self.module.skipped.append((node.lineno, f"`if` whose condition cannot be decided ({exc})"))
                 return
             for inner in node.body if taken else node.orelse:
@@ -137,7 +192,7 @@ class Reader:
     def _assign(self, names: list[str], value: ast.expr, line: int) -> None:
         try:
             result = self.value(value)
-        except (Unknown, TypeError, ZeroDivisionError) as exc:
+        except READ_ERRORS as exc:
             self.module.skipped.append((line, f"`{names[0]} = ...` cannot be read without running it ({exc})"))
             return
         for name in names:
@@ -150,8 +205,17 @@ def read_config(path: Path) -> Module:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise UserError(f"{path}: cannot read the xtuner config ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"{path}: not a text file (byte {exc.object[exc.start]:#04x} at offset {exc.start} is not UTF-8); "
+            "give the xtuner config, a Python .py file"
+        ) from None
+    if "\0" in text:  # ast.parse would refuse it with a bare ValueError
+        raise UserError(f"{path}: contains NUL bytes, so it is a binary file, not an xtuner config (.py)")
     try:
         tree = ast.parse(text, filename=str(path))
+    except (RecursionError, MemoryError):
+        raise UserError(f"{path}: nested too deeply to read; is this an xtuner config?") from None
     except SyntaxError as exc:
         source = (exc.text or "").strip()
         raise UserError(
