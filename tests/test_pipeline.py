@@ -20,6 +20,7 @@ from tuneforge.errors import UserError
 from conftest import chat, tokenized, write_jsonl
 
 RECORDS = [chat(f"question {i}", f"answer {i}") for i in range(6)]
+TEMPLATE = get_template("deepseek_coder")
 
 
 def config(tmp_path: Path, files: list[Path], **extra) -> DataConfig:
@@ -113,6 +114,27 @@ def test_second_run_reads_the_cache_and_a_changed_file_misses_it(tmp_path, token
     write_jsonl(path, [*RECORDS, chat("new", "sample")])
     third, cached = prepare_split("train", cfg, cfg.train_files, tokenizer, template)
     assert not cached and len(third.data) == 7
+
+
+def test_a_cache_hit_reports_the_files_of_the_run_that_reads_it(tmp_path, tokenizer):
+    """The same file in another directory hits the cache; drops and sample origins name this run's file, not
+    the one, since moved away, that filled the cache."""
+    records = [*RECORDS[:3], {"messages": [{"role": "user", "content": "no reply"}]}, *RECORDS[3:]]
+    (tmp_path / "old").mkdir()
+    old = write_jsonl(tmp_path / "old" / "a.jsonl", records)
+    cache = str(tmp_path / "cache")
+    first, cached = prepare_split("train", config(tmp_path, [old], cache_dir=cache), [str(old)], tokenizer, TEMPLATE)
+    assert not cached and first.report.drops.total == 1
+    (tmp_path / "new").mkdir()
+    new = tmp_path / "new" / "a.jsonl"
+    old.rename(new)
+    second, cached = prepare_split("train", config(tmp_path, [new], cache_dir=cache), [str(new)], tokenizer, TEMPLATE)
+    assert cached and second.report.files == [str(new)]
+    assert [o.split(":")[0] for o in second.data.origins] == [str(new)] * 6
+    assert second.data.origins == [o.replace(str(old), str(new)) for o in first.data.origins]
+    shown = [example for examples in second.report.drops.examples.values() for example in examples]
+    assert shown and all(example.startswith(f"{new}:4") for example in shown)
+    assert str(old) not in "\n".join(format_report(second.report))
 
 
 def test_validation_fraction_is_held_out_with_a_fixed_seed(tmp_path, tokenizer):

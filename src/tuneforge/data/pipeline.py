@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate
 from tuneforge.data.tokenize import TokenizedData, tokenize
 from tuneforge.errors import UserError
 
-DATA_VERSION = "1"
+DATA_VERSION = "2"
 """Bump when tokenization output changes, so stale caches are never reused."""
 
 
@@ -113,25 +113,55 @@ def fingerprint(cfg: DataConfig, files: list[str], tokenizer: PreTrainedTokenize
     return digest.hexdigest()[:24]
 
 
-def _save(split: Split, directory: Path) -> None:
+def _relocated(origin: str, sources: list[str], targets: list[str]) -> str:
+    """`origin` (a `file:line`-style place, or a message starting with one) with its file from `sources` replaced
+    by the file at the same position in `targets`."""
+    for index in sorted(range(len(sources)), key=lambda i: -len(sources[i])):  # longest first: `a` vs `a.bak`
+        if origin.startswith(sources[index]):
+            return targets[index] + origin[len(sources[index]) :]
+    return origin
+
+
+def _placeholders(files: list[str]) -> list[str]:
+    return [f"<data file {index}>" for index in range(len(files))]
+
+
+def _relocate_split(split: Split, sources: list[str], targets: list[str]) -> Split:
+    """The split with its samples' origins and its report's drop examples pointing at `targets` instead of
+    `sources` (file for file: the cache key hashes the files' contents in order)."""
+    origins = [_relocated(origin, sources, targets) for origin in split.data.origins]
+    report = split.report
+    examples = {
+        reason: [_relocated(example, sources, targets) for example in shown]
+        for reason, shown in report.drops.examples.items()
+    }
+    drops = DropLog(dict(report.drops.counts), examples)
+    report = replace(report, files=[_relocated(f, sources, targets) for f in report.files], drops=drops)
+    return Split(replace(split.data, origins=origins), report)
+
+
+def _save(split: Split, directory: Path, files: list[str]) -> None:
+    """Into the cache with its data files as placeholders: a later run with the same contents elsewhere (or
+    under other names) reports its own files, never ones that may be gone."""
     tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for field in ("input_ids", "labels", "offsets"):
         np.save(tmp / f"{field}.npy", getattr(split.data, field))
-    (tmp / "origins.json").write_text(json.dumps(split.data.origins))
-    (tmp / "report.json").write_text(json.dumps(split.report.to_json()))
+    stored = _relocate_split(split, [str(Path(f)) for f in files], _placeholders(files))
+    (tmp / "origins.json").write_text(json.dumps(stored.data.origins))
+    (tmp / "report.json").write_text(json.dumps(stored.report.to_json()))
     try:
         tmp.rename(directory)
     except OSError:  # another process finished the same cache first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load(directory: Path) -> Split:
+def _load(directory: Path, files: list[str]) -> Split:
     arrays = {f: np.load(directory / f"{f}.npy", mmap_mode="r") for f in ("input_ids", "labels", "offsets")}
     origins = json.loads((directory / "origins.json").read_text())
     report = SplitReport.from_json(json.loads((directory / "report.json").read_text()))
-    return Split(TokenizedData(origins=origins, **arrays), report)
+    return _relocate_split(Split(TokenizedData(origins=origins, **arrays), report), _placeholders(files), files)
 
 
 def _wait_for(directory: Path, timeout_s: float, rank: int) -> None:
@@ -163,14 +193,15 @@ def prepare_split(
     if cfg.cache_dir is None:
         return build_split(name, cfg, files, tokenizer, template), False
     directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer)
+    here = [str(Path(f)) for f in files]
     if directory.exists():
-        return _load(directory), True
+        return _load(directory, here), True
     if rank != 0 and world_size > 1:
         _wait_for(directory, cfg.preprocess_timeout_s, rank)
-        return _load(directory), True
+        return _load(directory, here), True
     split = build_split(name, cfg, files, tokenizer, template)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    _save(split, directory)
+    _save(split, directory, files)
     return split, False
 
 
