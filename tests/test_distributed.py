@@ -104,6 +104,24 @@ def test_expert_adapters_on_two_ranks_equal_one_with_the_router_loss_on(tmp_path
     assert one_weights.keys() == two_weights.keys() and any("experts" in name for name in one_weights)
     for name, tensor in one_weights.items():
         torch.testing.assert_close(two_weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    assert_peft_loads_it_as_trained(tmp_path / "two")
+
+
+def assert_peft_loads_it_as_trained(work_dir: Path) -> None:
+    """The adapter a sharded run saved, loaded by PEFT itself onto the plain base, computes what tuneforge's
+    own loader does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tuneforge.model.trained import load_trained
+
+    final = work_dir / "checkpoints" / "final"
+    ids = torch.arange(3, 43).reshape(2, 20)
+    with torch.no_grad():
+        ours = load_trained(final).model(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(work_dir / "base", dtype=torch.float32)
+        theirs = PeftModel.from_pretrained(plain, final).eval()(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
 
 
 def test_two_nodes_simulated_on_this_machine_equal_one_node(tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
-from tuneforge.engines import choose_engine
+from tuneforge.engines import choose_engine, engine_traits
 from tuneforge.engines.deepspeed import deepspeed_config
 from tuneforge.errors import UserError
 from tuneforge.model.moe import find_moe
@@ -67,3 +67,30 @@ def test_moe_blocks_and_decoder_layers_are_found_by_structure(tokenizer):
     assert [(b.name, b.num_experts, b.layout) for b in blocks] == [("model.layers.1.mlp", 4, "stacked")]
     assert not find_moe(tiny_llama(tokenizer))
     assert decoder_layers(deepseek) is deepseek.model.layers
+
+
+def test_each_engine_states_its_traits_before_it_is_built():
+    bf16, fp16 = TrainConfig(precision="bf16"), TrainConfig(precision="fp16")
+    zero = {stage: ParallelConfig(engine="deepspeed", zero_stage=stage) for stage in (2, 3)}
+    facts = {
+        name: engine_traits(name, parallel, train)
+        for name, parallel, train in [
+            ("single", ParallelConfig(), bf16),
+            ("ddp", ParallelConfig(), bf16),
+            ("fsdp", ParallelConfig(engine="fsdp"), bf16),
+            ("deepspeed", zero[3], bf16),
+        ]
+    }
+    assert [name for name, t in facts.items() if t.sharded] == ["fsdp", "deepspeed"]
+    assert [name for name, t in facts.items() if not t.fuses_output_layer] == ["deepspeed"]  # ZeRO-3 only
+    assert engine_traits("deepspeed", zero[2], bf16).fuses_output_layer
+    assert [name for name, t in facts.items() if t.casts_parameters] == ["deepspeed"]
+    assert not engine_traits("deepspeed", zero[3], bf16, device="cpu").casts_parameters  # autocast on CPU
+    assert [name for name, t in facts.items() if t.compiles] == ["single", "ddp"]
+    assert engine_traits("deepspeed", zero[3], fp16).skips_nonfinite and not facts["deepspeed"].skips_nonfinite
+    # parallel.moe_safety reaches both sharded engines; without sharding nothing needs it.
+    unsafe = {"moe_safety": False}
+    assert not engine_traits("fsdp", ParallelConfig(engine="fsdp", **unsafe), bf16).moe_safety
+    assert not engine_traits("deepspeed", ParallelConfig(engine="deepspeed", **unsafe), bf16).moe_safety
+    assert facts["fsdp"].moe_safety and facts["deepspeed"].moe_safety
+    assert facts["deepspeed"].label == "deepspeed ZeRO-3" and facts["fsdp"].label == "fsdp (FSDP2)"

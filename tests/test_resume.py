@@ -82,3 +82,48 @@ def test_two_ranks_killed_and_resumed_equal_uninterrupted(job, engine):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # The same ranks repeat the same computation from restored state; on CPU that is exact as well.
     assert losses(job / "run") == losses(job / "whole")
+
+
+QUANTIZED = """\
+model:
+  architecture: {architecture}
+  size: {size}
+  tokenizer: bytes
+  lora: {{r: 8, alpha: 16, dropout: 0.0, experts: {experts}}}
+  quantization: {{bits: {bits}, quant_type: nf4, double_quant: true, compute_dtype: float32}}
+data: {{train_files: [train.jsonl], cache_dir: null}}
+train: {{lr: 1.0e-2, micro_batch_size: 2, max_steps: 5, precision: fp32}}
+checkpoint: {{every_steps: 2, keep_last: 2}}
+log: {{progress: lines}}
+"""
+# Every quantized layer's output size a multiple of 32, as bitsandbytes' CPU kernels need.
+QUANTIZED_SIZES = {
+    "llama": "{hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+    "num_key_value_heads: 2}",
+    "deepseek_v2": "{hidden_size: 64, intermediate_size: 128, moe_intermediate_size: 32, num_hidden_layers: 2, "
+    "num_attention_heads: 4, num_key_value_heads: 4, n_routed_experts: 4, num_experts_per_tok: 2, n_shared_experts: 1, "
+    "first_k_dense_replace: 1, kv_lora_rank: 24, q_lora_rank: null, qk_rope_head_dim: 8, qk_nope_head_dim: 8, "
+    "v_head_dim: 8}",
+}
+
+
+@pytest.mark.parametrize(
+    ("architecture", "bits", "experts", "engine"),
+    [("deepseek_v2", 4, True, "zero3_offload"), ("llama", 4, False, "fsdp"), ("llama", 8, False, "single")],
+    ids=["report-qlora-experts-zero3-offload", "qlora-fsdp", "8bit-single"],
+)
+def test_quantized_bases_killed_and_resumed_equal_uninterrupted(job, architecture, bits, experts, engine):
+    """The report's set-up (4-bit base, adapters on the routed experts, ZeRO-3 with offload) and the other
+    quantized bases the engines take: the checkpoint holds the adapters and optimizer, never the k-bit base."""
+    size = QUANTIZED_SIZES[architecture]
+    config = QUANTIZED.format(architecture=architecture, size=size, experts=str(experts).lower(), bits=bits)
+    (job / "cfg.yaml").write_text(config)
+    extra, ranks = ENGINES.get(engine, []), 1 if engine == "single" else 2
+    whole = train(job, "whole", *extra, ranks=ranks)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = train(job, "run", *extra, fault=f"kill:{ranks - 1}:4", ranks=ranks)
+    assert killed.returncode != 0 and [s for s, _ in losses(job / "run")] == [1, 2, 3]
+    resumed = train(job, "run", *extra, "--resume", "auto", ranks=ranks)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step 2 of 5" in resumed.stdout
+    assert losses(job / "run") == losses(job / "whole")

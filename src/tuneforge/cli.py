@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="auto|PATH",
         help="continue from a step checkpoint: `auto` takes the newest complete one in the work dir",
     )
+    train.add_argument(
+        "--archive-previous",
+        action="store_true",
+        help="the work dir holds another run's outputs: move them to WORK_DIR/previous-runs/ and start afresh",
+    )
     launch = train.add_argument_group("launching several processes (PyTorch's elastic launcher)")
     launch.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
     launch.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
@@ -195,7 +200,7 @@ def _import_xtuner(source: Path, deepspeed: str | None, nproc: int, out: Path | 
     from tuneforge.xtuner.mapping import import_config, to_yaml
 
     result = import_config(source, deepspeed, nproc)
-    text = to_yaml(result, source)
+    text = to_yaml(result, source, out)
     print(text)
     if result.unmapped:
         print(f"{len(result.unmapped)} setting(s) not mapped: the NOT MAPPED lines above say which and why")
@@ -214,8 +219,8 @@ def _train(args: argparse.Namespace) -> int:
 
     work_dir = args.work_dir or Path("work_dirs") / args.config.stem
     if args.config.suffix == ".py":
-        nproc = args.nproc_per_node * args.nnodes
-        args.config = _import_xtuner(args.config, args.deepspeed, nproc, work_dir / "imported-xtuner.yaml")
+        imported = work_dir / "imported-xtuner.yaml"
+        args.config = _import_xtuner(args.config, args.deepspeed, args.nproc_per_node, imported)
     elif args.deepspeed:
         raise UserError("--deepspeed names an xtuner preset and goes with an xtuner .py config; use parallel.* keys")
     config = load_config(args.config, args.overrides)  # validated before anything heavy is imported
@@ -228,6 +233,8 @@ def _train(args: argparse.Namespace) -> int:
         worker_argv = ["train", str(args.config), *args.overrides, "--work-dir", str(work_dir)]
         if args.resume:
             worker_argv += ["--resume", args.resume]
+        if args.archive_previous:
+            worker_argv.append("--archive-previous")
         return launch_workers(
             worker_argv,
             args.nproc_per_node,
@@ -237,7 +244,7 @@ def _train(args: argparse.Namespace) -> int:
             args.master_port,
             work_dir,
         )
-    run_training(config, work_dir, args.resume)
+    run_training(config, work_dir, args.resume, args.archive_previous)
     return 0
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from tuneforge.config.schema import TemplateConfig
 from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, get_template
 from tuneforge.errors import UserError
+from tuneforge.model.portable_adapter import make_portable
 from tuneforge.model.trained import ADAPTER_CONFIG, adapter_base, base_dtype, is_adapter, load_trained
 from tuneforge.train.checkpoint import CHAT_META, read_chat_meta
 
@@ -77,6 +78,8 @@ def _export_adapter(checkpoint: Path, out: Path, dtype_name: str | None, base: P
     config = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = str(Path(base_path).resolve())
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    trust = bool(meta.get("adapter", {}).get("trust_remote_code"))
+    portable = make_portable(tmp, AutoConfig.from_pretrained(base_path, trust_remote_code=trust).model_type)
     weights = load_file(checkpoint / ADAPTER_WEIGHTS)
     if dtype_name:
         weights = {name: tensor.to(EXPORT_DTYPES[dtype_name]) for name, tensor in weights.items()}
@@ -87,6 +90,8 @@ def _export_adapter(checkpoint: Path, out: Path, dtype_name: str | None, base: P
     (tmp / CHAT_META).write_text(json.dumps(meta, indent=2))
     _finish(tmp, out)
     lines = [f"exported adapter: {out} (base {base_path}; load with PeftModel.from_pretrained)", note]
+    if portable:
+        lines.append(portable)
     if meta.get("adapter", {}).get("quantization"):
         lines.append(
             "note: trained against the k-bit base; load the base with the same BitsAndBytesConfig for the outputs "

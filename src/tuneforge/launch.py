@@ -44,7 +44,8 @@ def launch_workers(
         elastic_run(args)
     except ChildFailedError as exc:
         report_failure(exc, work_dir, nproc_per_node * nnodes, started)
-        return 1
+        # A configuration or data error keeps its own status, as in one process; anything else is a failure.
+        return USER_ERROR_EXIT if exc.get_first_failure()[1].exitcode == USER_ERROR_EXIT else 1
     return 0
 
 

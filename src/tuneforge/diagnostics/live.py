@@ -26,7 +26,18 @@ def last_report(work_dir: Path) -> str:
         return (diagnostics / REPORT).read_text().rstrip()
     if not diagnostics.exists():
         raise UserError(f"{work_dir}: no diagnostics/ directory; pass the work dir of a tuneforge train run")
-    return build_report(diagnostics, _world_size(diagnostics))
+    world_size = _world_size(diagnostics)
+    beats = [read_json(diagnostics / "live" / f"rank-{rank}.json") for rank in range(world_size)]
+    if all(beat is not None and beat.get("finished") for beat in beats):
+        where = ", ".join(
+            f"rank {beat['rank']} in phase {beat['phase']} at step {beat['step']}/{beat['total_steps']}"
+            for beat in beats
+        )
+        return (
+            f"tuneforge diagnosis: no hang: every rank ({world_size}) stopped its watchdog itself, without a stall "
+            f"or a failed collective ({where}); the run's own output says how it ended"
+        )
+    return build_report(diagnostics, world_size)
 
 
 def live_dump(work_dir: Path, timeout_s: float = 10.0) -> str:

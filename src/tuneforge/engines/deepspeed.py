@@ -76,6 +76,17 @@ def fp16_config(train: TrainConfig) -> dict[str, Any]:
     }
 
 
+def _load_trainable_weights(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """The module part of a DeepSpeed checkpoint, for what trains. Frozen weights are rebuilt identically when the
+    run starts, and a quantized base saves state (bitsandbytes' absmax, quant_map...) that `load_state_dict` does
+    not take back; ZeRO 1-3 then restore the trainable weights from their fp32 partitions anyway."""
+    trainable = [name for name, param in dst.named_parameters() if param.requires_grad]
+    missing = [name for name in trainable if name not in src]
+    if missing:
+        raise ValueError(f"resume: the DeepSpeed checkpoint lacks trainable weights {missing[:3]}")
+    dst.load_state_dict({name: src[name] for name in trainable}, strict=False)
+
+
 class DeepSpeedEngine(Engine):
     scales_fp16_loss = False  # DeepSpeed's own scaler, with the same settings (`fp16_config`)
 
@@ -188,7 +199,11 @@ class DeepSpeedEngine(Engine):
 
     def load_state(self, directory: Path) -> None:
         path, _ = self._engine.load_checkpoint(
-            str(directory), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=False
+            str(directory),
+            tag="deepspeed",
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            custom_load_fn=_load_trainable_weights,
         )
         if path is None:
             raise ValueError(f"resume: DeepSpeed found no checkpoint in {directory}")

@@ -20,10 +20,9 @@ from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError
 from tuneforge.model.adapters import exact_targets
 from tuneforge.model.build import DTYPES
+from tuneforge.model.portable_adapter import ADAPTER_CONFIG
 from tuneforge.model.quantize import bitsandbytes_config, keep_training_layout
 from tuneforge.train.checkpoint import read_chat_meta
-
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 @dataclass

@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tuneforge.model.portable_adapter import make_portable
+
 CHAT_META = "tuneforge.json"
 """Written beside the weights: the chat template and system prompt the model was trained with."""
 
@@ -24,16 +26,19 @@ def write_model_files(
     meta: dict[str, Any],
     config_file: Path | None = None,
     state_dict: dict | None = None,
-) -> None:
+) -> str:
     """The Hugging Face part of a checkpoint (weights or adapter, tokenizer, chat meta) into `directory`.
-    `state_dict` holds the whole model's weights when the model itself is sharded."""
+    `state_dict` holds the whole model's weights when the model itself is sharded. Returns a line saying how an
+    adapter's config was written for PEFT's loader, if it had to be."""
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
+    note = make_portable(directory, model.get_base_model().config.model_type) if hasattr(model, "peft_config") else ""
     tokenizer.save_pretrained(directory)
     (directory / CHAT_META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
     if config_file is not None:
         shutil.copy2(config_file, directory / "config.tuneforge.yaml")
+    return note
 
 
 def temporary_dir(directory: Path) -> Path:

@@ -135,6 +135,7 @@ class Trainer:
         self.best_val_loss = float("inf")
         self.nonfinite_in_row = 0
         self.samples_consumed = 0
+        self.adapter_note_said = False
         self.peak_flops = peak_flops(parts.engine.info.device)
         train = cfg.train
         per_epoch = steps_per_epoch(len(parts.planner), train.gradient_accumulation)
@@ -375,9 +376,12 @@ class Trainer:
         barrier(info)
         if self.is_main:
             meta = {**self.chat_meta, "step": step}
-            write_model_files(
+            note = write_model_files(
                 self.engine.unwrapped, self.parts.tokenizer, tmp, meta, self.work_dir / "config.yaml", weights
             )
+            if note and not self.adapter_note_said:
+                self.progress.log(note)
+                self.adapter_note_said = True
             if with_state:
                 train = self.cfg.train
                 point = ResumePoint(
@@ -389,6 +393,7 @@ class Trainer:
                     train.gradient_accumulation,
                     self.engine.name,
                     self.best_val_loss if self.best_val_loss < float("inf") else None,
+                    self.parts.run_id or None,
                 )
                 write_state(tmp / TRAINING_STATE, point)
             else:

@@ -36,3 +36,5 @@ class RunParts:
     validation: list[MicroBatch] | None = None
     active_parameters: int = 0
     """Parameters a token multiplies with, for model FLOPs (counted before the engine sharded them)."""
+    run_id: str = ""
+    """The run this work dir belongs to (`run.json`): its step checkpoints record it."""

@@ -39,6 +39,7 @@ from tuneforge.train.sinks import require_packages
 from tuneforge.train.state import TRAINING_STATE, ResumePoint, check_compatible, find_resume, load_rng, read_state
 from tuneforge.train.telemetry import active_matmul_parameters
 from tuneforge.train.validate import validation_batches
+from tuneforge.train.workdir import recorded_run, release_lock, start_run, take_lock
 from tuneforge.watchdog import StallWatchdog, exception_site
 
 Say = Callable[[str], None]
@@ -56,22 +57,58 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_training(cfg: Config, work_dir: Path, resume: str | None = None) -> dict:
+def run_training(cfg: Config, work_dir: Path, resume: str | None = None, archive_previous: bool = False) -> dict:
     """Train as configured; returns a summary (final loss, steps, accuracy if configured). `resume`: `auto`
-    (the newest complete step checkpoint of the work dir, if any) or a checkpoint path."""
+    (the newest complete step checkpoint of this work dir's run, if any) or a checkpoint path.
+    `archive_previous`: a fresh run into a work dir with another run's outputs moves them aside first."""
     require_packages(cfg.log)  # a missing TensorBoard or W&B package is reported now, not after the model loads
     quiet_known_noise()
     info = init_distributed()
-    work_dir.mkdir(parents=True, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
     say: Say = print if info.is_main else (lambda _: None)
+    engine_name = choose_engine(cfg.parallel.engine, info)
+    lock_note = take_lock(work_dir) if info.is_main else ""
+    try:
+        return _locked_run(cfg, work_dir, resume, archive_previous, info, engine_name, say, lock_note)
+    finally:
+        if info.is_main:
+            release_lock(work_dir)
+
+
+def _locked_run(
+    cfg: Config,
+    work_dir: Path,
+    resume: str | None,
+    archive_previous: bool,
+    info: DistInfo,
+    engine_name: str,
+    say: Say,
+    lock_note: str,
+) -> dict:
+    # Everything that can refuse the run is checked before this run writes a file.
+    resume_dir = find_resume(work_dir, resume, recorded_run(work_dir))
+    if resume_dir is not None:
+        train = cfg.train
+        check_compatible(
+            read_state(resume_dir),
+            resume_dir,
+            info.world_size,
+            train.micro_batch_size,
+            train.gradient_accumulation,
+            engine_name,
+        )
+    run_id = ""
     if info.is_main:
+        run_id, run_note = start_run(work_dir, resume, archive_previous)
+        for note in (lock_note, run_note):
+            if note:
+                say(note)
         dump_config(cfg, work_dir / "config.yaml")
         # Dumps of an earlier run in this work dir would confuse this run's diagnosis.
         shutil.rmtree(work_dir / "diagnostics", ignore_errors=True)
     barrier(info)
+    run_id = run_id or recorded_run(work_dir) or ""
     say(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
-    engine_name = choose_engine(cfg.parallel.engine, info)
     chosen = " (parallel.engine=auto)" if cfg.parallel.engine == "auto" else ""
     say(
         f"engine: {engine_name}{chosen}, {info.world_size} process(es), device {info.device.type}, "
@@ -94,8 +131,8 @@ def run_training(cfg: Config, work_dir: Path, resume: str | None = None) -> dict
     )
     watchdog.start()
     try:
-        parts = setup(cfg, work_dir, watchdog, info, engine_name, say)
-        return train_and_evaluate(parts, info, say, resume)
+        parts = setup(cfg, work_dir, watchdog, info, engine_name, say, run_id)
+        return train_and_evaluate(parts, info, say, resume, resume_dir)
     except (torch.distributed.DistError, RuntimeError) as exc:
         if info.distributed and dog.enabled:
             # A collective that failed (gloo/NCCL errors on mismatched calls) or a rank that failed on its own (out
@@ -112,12 +149,9 @@ def run_training(cfg: Config, work_dir: Path, resume: str | None = None) -> dict
 def resume_from(
     checkpoint: Path, engine: Engine, trainer: Trainer, cfg: Config, info: DistInfo, work_dir: Path
 ) -> ResumePoint:
-    """Model, optimizer, RNG and data position of `checkpoint`; logs cut back to its step."""
+    """Model, optimizer, RNG and data position of `checkpoint` (checked compatible before the run began); logs
+    cut back to its step."""
     point = read_state(checkpoint)
-    train = cfg.train
-    check_compatible(
-        point, checkpoint, info.world_size, train.micro_batch_size, train.gradient_accumulation, engine.name
-    )
     if point.step >= trainer.total_steps:
         raise UserError(f"--resume {checkpoint}: step {point.step} is already the last of {trainer.total_steps}")
     engine.load_state(checkpoint / TRAINING_STATE)
@@ -137,7 +171,9 @@ def truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def setup(cfg: Config, work_dir: Path, watchdog: StallWatchdog, info: DistInfo, engine_name: str, say: Say) -> RunParts:
+def setup(
+    cfg: Config, work_dir: Path, watchdog: StallWatchdog, info: DistInfo, engine_name: str, say: Say, run_id: str
+) -> RunParts:
     """Data, pre-flight checks, model, engine and batches: everything the loop needs, in the order that lets each
     fail early (bad data before the doctor, the doctor before the model loads)."""
     seed_everything(cfg.train.seed)
@@ -184,6 +220,7 @@ def setup(cfg: Config, work_dir: Path, watchdog: StallWatchdog, info: DistInfo, 
         balance=balance,
         validation=validation_split(cfg, data, tokenizer, info),
         active_parameters=active_parameters,
+        run_id=run_id,
     )
 
 
@@ -256,7 +293,7 @@ def validation_split(cfg: Config, data: PreparedData, tokenizer, info: DistInfo)
     return None
 
 
-def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | None) -> dict:
+def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | None, resume_dir: Path | None) -> dict:
     """The loop from the start or a checkpoint, then the exact-match evaluation and the closing summary."""
     cfg, engine, work_dir = parts.cfg, parts.engine, parts.work_dir
     trainer = Trainer(parts)
@@ -268,9 +305,8 @@ def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | 
         f"{trainer.schedule.warmup_steps} warmup steps)"
     )
     start = None
-    resume_dir = find_resume(work_dir, resume)
     if resume == "auto" and resume_dir is None:
-        say("resume: no complete step checkpoint in this work dir yet; starting from the beginning")
+        say("resume: no complete step checkpoint of this run in the work dir yet; starting from the beginning")
     if resume_dir is not None:
         start = resume_from(resume_dir, engine, trainer, cfg, info, work_dir)
         say(

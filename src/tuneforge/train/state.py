@@ -34,6 +34,8 @@ class ResumePoint:
     gradient_accumulation: int
     engine: str
     best_val_loss: float | None = None
+    run_id: str | None = None
+    """The run that wrote it (None: written before runs were recorded)."""
 
 
 def save_rng(directory: Path, rank: int) -> None:
@@ -69,8 +71,9 @@ def read_state(checkpoint: Path) -> ResumePoint:
     return ResumePoint(**json.loads(path.read_text()))
 
 
-def find_resume(work_dir: Path, requested: str | None) -> Path | None:
-    """`auto`: the newest complete step checkpoint of the work dir (None when there is none); or a path."""
+def find_resume(work_dir: Path, requested: str | None, run_id: str | None = None) -> Path | None:
+    """`auto`: the newest complete step checkpoint of the work dir's run `run_id` (None when there is none); or
+    a path. Checkpoints of another run (copied in, or left by one) are never continued by `auto`."""
     if requested is None:
         return None
     if requested != "auto":
@@ -79,7 +82,9 @@ def find_resume(work_dir: Path, requested: str | None) -> Path | None:
         return path
     for _, path in reversed(step_checkpoints(work_dir / "checkpoints")):
         if (path / TRAINING_STATE / STATE_FILE).exists():
-            return path
+            written_by = read_state(path).run_id
+            if run_id is None or written_by is None or written_by == run_id:
+                return path
     return None
 
 

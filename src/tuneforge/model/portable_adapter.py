@@ -1,0 +1,75 @@
+"""Adapter configs that PEFT's own loader turns back into the adapters that were trained.
+
+When `PeftModel.from_pretrained` loads an adapter onto a model whose MoE layout changed in `transformers` 5
+(DeepseekV2, Qwen2/3-MoE, Mixtral...), PEFT first rewrites the adapter's config as if it had been written for
+`transformers` 4: every `target_modules` entry ending in `gate_proj`, `up_proj` or `down_proj` is taken for a
+routed expert of the old layout. On models that also have dense MLPs or shared experts with those names
+(DeepseekV2's first layers and shared experts), that drops their adapters from the load, adds adapters on every
+routed expert with a doubled rank, and either fails on shapes or loads an adapter that computes something else.
+
+Training never meets this (tuneforge attaches adapters by exact path, with PEFT's rewrite kept out), but users
+load the saved adapter with PEFT. So the saved config names those linear layers by their weight under
+`target_parameters` instead: PEFT then adapts the same weights with the same `lora_A`/`lora_B` shapes and keys,
+computes the same W + s·B·A, and its rewrite finds nothing to change. The weights file is untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from tuneforge.errors import UserError
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _as_peft_loads_it(config: dict, model_type: str) -> object | None:
+    """What PEFT's loader makes of `config` on a base of `model_type`; None where this PEFT has no such rewrite."""
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
+        return None
+    known = {k: v for k, v in copy.deepcopy(config).items() if k in LoraConfig.__dataclass_fields__}
+    loaded = LoraConfig(**known)
+    base = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+    convert_peft_config_for_transformers(loaded, base, None)
+    return loaded
+
+
+def rewritten_targets(config: dict, model_type: str) -> list[str]:
+    """The `target_modules` entries PEFT's loader would drop or reinterpret for this base model type."""
+    loaded = _as_peft_loads_it(config, model_type)
+    if loaded is None:
+        return []
+    kept = set(loaded.target_modules or [])
+    return [name for name in config.get("target_modules") or [] if name not in kept]
+
+
+def make_portable(directory: Path, model_type: str) -> str:
+    """Rewrite `directory/adapter_config.json` so that PEFT loads it as trained; returns a line saying what was
+    changed ('' when nothing needed to be)."""
+    path = directory / ADAPTER_CONFIG
+    config = json.loads(path.read_text(encoding="utf-8"))
+    moved = rewritten_targets(config, model_type)
+    if not moved:
+        return ""
+    if config.get("use_dora"):
+        raise UserError(
+            f"model.lora.use_dora: PEFT's loader would misread the DoRA adapters on {moved[0]} and "
+            f"{len(moved) - 1} more layers of this {model_type} model, and PEFT has no other way to name them; "
+            "train without DoRA to get an adapter PEFT can load, or export --merge"
+        )
+    config["target_modules"] = [name for name in config["target_modules"] if name not in moved]
+    config["target_parameters"] = [*(config.get("target_parameters") or []), *(f"{name}.weight" for name in moved)]
+    # PEFT adapts weights named in target_parameters without input dropout; it only mattered in training.
+    config["lora_dropout"] = 0.0
+    assert not rewritten_targets(config, model_type), "the portable config is still rewritten"
+    path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return (
+        f"adapter_config.json: {len(moved)} linear layers named gate/up/down_proj listed by weight under "
+        f"target_parameters (same weights and keys), because PEFT's loader reads such names on {model_type} models "
+        "as routed experts of the transformers 4 layout"
+    )

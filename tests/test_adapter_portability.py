@@ -1,0 +1,83 @@
+"""Adapters load where users load them: PEFT's own `PeftModel.from_pretrained` on the plain base model gives
+the logits tuneforge trained, for adapters on linear layers, on stacked experts and on expert lists."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from tuneforge.config.schema import LoraSettings, ModelConfig
+from tuneforge.model.adapters import make_trainable
+from tuneforge.model.trained import load_trained
+from tuneforge.train.checkpoint import write_model_files
+
+from conftest import REPO, tiny_deepseek_v2, tiny_llama, tiny_qwen3_moe
+
+LEGACY = REPO / "tests" / "assets" / "modeling_legacy_moe.py"
+
+
+def legacy_list_experts(tokenizer):
+    """A remote-code MoE whose experts are a list of modules with linear layers (DeepSeek's remote layout)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("modeling_legacy_moe", LEGACY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    config = module.LegacyMoEConfig(vocab_size=len(tokenizer), num_experts=4, experts_per_token=2)
+    config.auto_map = {
+        "AutoConfig": "modeling_legacy_moe.LegacyMoEConfig",
+        "AutoModelForCausalLM": "modeling_legacy_moe.LegacyMoEForCausalLM",
+    }
+    return module.LegacyMoEForCausalLM(config)
+
+
+CASES = {
+    "llama-linear": (tiny_llama, False),
+    "deepseek_v2-linear": (tiny_deepseek_v2, False),  # dense MLP and shared experts named like old experts
+    "deepseek_v2-stacked-experts": (tiny_deepseek_v2, True),
+    "qwen3_moe-stacked-experts": (tiny_qwen3_moe, True),
+    "legacy-list-experts": (legacy_list_experts, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_peft_loads_the_saved_adapter_with_the_trained_logits(tokenizer, tmp_path, case):
+    build, experts = CASES[case]
+    base = build(tokenizer).float()
+    remote = case.startswith("legacy")
+    base.save_pretrained(tmp_path / "base")
+    if remote:
+        shutil.copy(LEGACY, tmp_path / "base" / LEGACY.name)
+    settings = LoraSettings(r=4, alpha=8, dropout=0.0, experts=experts)
+    model, _ = make_trainable(base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a trained adapter, not the no-op PEFT starts from
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    adapted = [n for n, _ in model.named_parameters() if "lora_A" in n]
+    assert any(".experts." in n for n in adapted) == experts
+    meta = {"adapter": {"dtype": "float32", "trust_remote_code": remote, "quantization": None}}
+    write_model_files(model, tokenizer, tmp_path / "adapter", meta)
+    ids = torch.randint(3, len(tokenizer), (2, 11), generator=generator)
+    with torch.no_grad():
+        trained = model.eval()(input_ids=ids).logits
+
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32, trust_remote_code=remote)
+        loaded = PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
+        torch.testing.assert_close(loaded(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+        ours = load_trained(tmp_path / "adapter", tmp_path / "base").model
+        torch.testing.assert_close(ours(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+        merged = load_trained(tmp_path / "adapter", tmp_path / "base", merge=True).model
+        torch.testing.assert_close(merged(input_ids=ids).logits, trained, atol=1e-4, rtol=1e-4)
+
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    moved = [name for name in config.get("target_parameters") or [] if name.endswith(".weight")]
+    # Only where PEFT's loader would misread module names are linear layers listed by their weight.
+    assert bool(moved) == case.startswith("deepseek_v2")
