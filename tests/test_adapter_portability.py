@@ -81,3 +81,16 @@ def test_peft_loads_the_saved_adapter_with_the_trained_logits(tokenizer, tmp_pat
     moved = [name for name in config.get("target_parameters") or [] if name.endswith(".weight")]
     # Only where PEFT's loader would misread module names are linear layers listed by their weight.
     assert bool(moved) == case.startswith("deepseek_v2")
+
+
+def test_dora_adapters_peft_would_misread_are_left_as_trained_with_a_warning(tokenizer, tmp_path):
+    settings = LoraSettings(r=4, alpha=8, dropout=0.0, use_dora=True)
+    model, _ = make_trainable(
+        tiny_deepseek_v2(tokenizer), ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False
+    )
+    note = write_model_files(model, tokenizer, tmp_path, {})
+    assert note.startswith("warning: PEFT's own loader misreads the DoRA adapters on model.layers.0.mlp.")
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert not config.get("target_parameters") and any(
+        name.endswith("shared_experts.up_proj") for name in config["target_modules"]
+    )

@@ -20,8 +20,6 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from tuneforge.errors import UserError
-
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -57,10 +55,11 @@ def make_portable(directory: Path, model_type: str) -> str:
     if not moved:
         return ""
     if config.get("use_dora"):
-        raise UserError(
-            f"model.lora.use_dora: PEFT's loader would misread the DoRA adapters on {moved[0]} and "
-            f"{len(moved) - 1} more layers of this {model_type} model, and PEFT has no other way to name them; "
-            "train without DoRA to get an adapter PEFT can load, or export --merge"
+        # PEFT has no DoRA for adapters named by weight: say so (never fail a save in the middle of training).
+        return (
+            f"warning: PEFT's own loader misreads the DoRA adapters on {moved[0]} and {len(moved) - 1} more layers "
+            f"of this {model_type} model (it takes them for routed experts); load this adapter with tuneforge "
+            "chat/export, or export --merge for a model that loads anywhere"
         )
     config["target_modules"] = [name for name in config["target_modules"] if name not in moved]
     config["target_parameters"] = [*(config.get("target_parameters") or []), *(f"{name}.weight" for name in moved)]
