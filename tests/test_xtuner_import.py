@@ -324,11 +324,9 @@ def original_job(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(
     "variant,extra",
-    [
-        ("zero3_offload", []),
-        ("zero3_offload_packed", ["data.packing=true"]),
-        ("fsdp", ["parallel.engine=fsdp"]),
-    ],
+    # The report's job with packing on, which exercises the most (unpacked rows and FSDP2 are covered by the
+    # 2-ranks-equal-1 matrix); one variant keeps the CI under its 30 minutes.
+    [("zero3_offload_packed", ["data.packing=true"])],
 )
 def test_the_original_job_runs_to_the_end_at_cpu_scale(original_job, variant, extra):
     work = original_job / variant
