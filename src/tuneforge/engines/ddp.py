@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -30,18 +31,10 @@ def _recorded_allreduce(state, bucket):
 class DDPEngine(SingleEngine):
     @classmethod
     def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
-        return EngineTraits(
-            name="ddp",
-            label="ddp",
-            shard_stage=0,
-            casts_parameters=False,
-            reduces_every_micro_batch=False,
-            fuses_output_layer=True,
-            skips_nonfinite=True,
-            compiles=True,
-            # Not a choice: experts without tokens have no gradient, so DDP must look for unused parameters.
-            moe_safety="experts without tokens found as unused parameters",
-        )
+        # A replica per rank does what one process does; experts without tokens have no gradient, so DDP must
+        # look for unused parameters (not a choice, hence not `parallel.moe_safety`).
+        single = SingleEngine.traits_for(parallel, train, device)
+        return replace(single, name="ddp", label="ddp", moe_safety="experts without tokens found as unused parameters")
 
     def __init__(
         self,

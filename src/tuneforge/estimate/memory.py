@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import GIB
-from tuneforge.estimate.shapes import ModelShapes
+from tuneforge.estimate.shapes import ModelShapes, count_label
 from tuneforge.train.fused_loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
 
 GATHERED_LAYERS = 2  # sharded engines hold the decoder layer computing and the one prefetched, unsharded
@@ -36,10 +36,6 @@ class Memory:
     """Bytes of host RAM per node while loading (each rank reads the whole model)."""
     trainable_bytes: int
     """Bytes per trainable value (and its gradient)."""
-
-
-def _count(values: float) -> str:
-    return f"{values / 1e9:.2f}B" if values >= 1e8 else f"{values / 1e6:.1f}M"
 
 
 def memory_use(
@@ -76,12 +72,14 @@ def memory_use(
         grad_b, optim_b = weight_b, 2 * weight_b
         optim_what = f"2 moments in {'fp32' if weight_b == 4 else '16-bit'}"
     frozen_dtype = {2: "16-bit", 4: "fp32"}[frozen_bytes]
-    base_label = f"base weights: {_count(s.frozen)} {frozen_dtype}"
+    base_label = f"base weights: {count_label(s.frozen)} {frozen_dtype}"
     if quantization is not None:
-        base_label = f"base weights: {_count(s.quantized)} {quantization.bits}-bit + {_count(s.frozen)} {frozen_dtype}"
+        base_label = (
+            f"base weights: {count_label(s.quantized)} {quantization.bits}-bit + {count_label(s.frozen)} {frozen_dtype}"
+        )
     rows = [
         place(base_label, s.quantized * kbit + s.frozen * frozen_bytes, 3, offload_weights),
-        place(f"trainable: {_count(s.trainable)} ({weight_b} B each)", s.trainable * weight_b, 3, offload_weights),
+        place(f"trainable: {count_label(s.trainable)} ({weight_b} B each)", s.trainable * weight_b, 3, offload_weights),
         place("gradients", s.trainable * grad_b, 2, offload_optimizer),  # DeepSpeed keeps them with the optimizer
         place(f"optimizer: AdamW {optim_what}", s.trainable * optim_b, 1, offload_optimizer),
     ]

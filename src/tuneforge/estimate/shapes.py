@@ -156,6 +156,11 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
     )
 
 
+def count_label(values: float) -> str:
+    """A parameter count as the estimate prints it: billions from 0.1B up, else millions."""
+    return f"{values / 1e9:.2f}B" if values >= 1e8 else f"{values / 1e6:.1f}M"
+
+
 def kbit_bytes(bits: int, double_quant: bool) -> float:
     """Bytes per k-bit weight, quantization constants included."""
     if bits == 8:

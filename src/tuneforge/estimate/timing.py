@@ -6,7 +6,7 @@ from __future__ import annotations
 from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import Accelerator
-from tuneforge.estimate.shapes import ModelShapes
+from tuneforge.estimate.shapes import ModelShapes, count_label
 
 BASE_MFU = 0.35  # share of peak bf16 FLOP/s a Hugging Face model reaches in training with SDPA/flash attention
 QUANTIZED_EFFICIENCY = 0.5  # k-bit layers dequantize their weight before each matmul: about half the throughput
@@ -17,10 +17,6 @@ PCIE_BYTES_PER_S = 25e9  # host <-> GPU per GPU with pinned memory (PCIe Gen4 x1
 NVLINK_BYTES_PER_S = 200e9  # all-gather/reduce-scatter bandwidth per GPU inside one NVLink node, per-layer sizes
 NETWORK_BYTES_PER_S = 40e9  # the same across nodes: one 400 Gb/s NIC per GPU
 CPU_ADAM_PARAMS_PER_S = 2e8  # parameters one rank's torch AdamW updates per second on the host's shared cores
-
-
-def _count(values: float) -> str:
-    return f"{values / 1e9:.2f}B" if values >= 1e8 else f"{values / 1e6:.1f}M"
 
 
 def step_times(
@@ -58,7 +54,9 @@ def step_times(
         flops = 2 * cfg.model.lora.r * s.stacked_adapted / rate
         memory = DELTA_BYTES * s.stacked_adapted / (accelerator.memory_bytes_per_s or 2e12)
         delta = micro * delta_passes * max(flops, memory)
-        times.append(("expert adapter deltas", delta, f"{_count(s.stacked_adapted)} values formed {delta_passes}x"))
+        times.append(
+            ("expert adapter deltas", delta, f"{count_label(s.stacked_adapted)} values formed {delta_passes}x")
+        )
         gpu_s += delta
 
     sharded3 = traits.sharded
@@ -85,7 +83,7 @@ def step_times(
             host += s.trainable * compute_bytes / world_size  # updated weights back
         times.append(("PCIe host transfers", host / PCIE_BYTES_PER_S, f"{host / 1e9:.1f} GB per GPU"))
         adam = s.trainable / world_size / CPU_ADAM_PARAMS_PER_S
-        times.append(("CPU AdamW", adam, f"{_count(s.trainable / world_size)} parameters per rank"))
+        times.append(("CPU AdamW", adam, f"{count_label(s.trainable / world_size)} parameters per rank"))
         host_s = host / PCIE_BYTES_PER_S + adam
     else:
         host_s = 0.0
