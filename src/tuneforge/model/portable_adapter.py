@@ -43,7 +43,8 @@ def rewritten_targets(config: dict, model_type: str) -> list[str]:
     if loaded is None:
         return []
     kept = set(loaded.target_modules or [])
-    return [name for name in config.get("target_modules") or [] if name not in kept]
+    # PEFT saves target_modules from a set: sort for a stable message and file.
+    return sorted(name for name in config.get("target_modules") or [] if name not in kept)
 
 
 def make_portable(directory: Path, model_type: str) -> str:
