@@ -61,3 +61,50 @@ def test_a_mismatch_without_expert_collectives_stays_a_mismatch():
     rank0 = state(0, [gather(1, "layers.0.mix"), gather(2, "layers.1.mix")], reason="stall")
     rank1 = state(1, [gather(1, "layers.0.mix"), scatter], reason="stall")
     assert diagnose({0: rank0, 1: rank1}, {}).cause.key == "mismatch"
+
+
+FATAL = """Fatal Python error: Aborted
+
+Thread 0x00007fb9fa4a76c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007fb9fc91e740 (most recent call first):
+  File "/venv/site-packages/torch/distributed/distributed_c10d.py", line 2951 in all_reduce
+  File "/venv/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/src/tuneforge/diagnostics/recorder.py", line 221 in recorded
+  File "/work/my_model/modeling_mine.py", line 57 in forward
+  File "/venv/site-packages/torch/nn/modules/module.py", line 1786 in _call_impl
+
+Extension modules: numpy.core._multiarray_umath (total: 1)
+"""
+
+
+def test_a_rank_that_aborted_in_a_collective_is_read_from_its_faulthandler_stacks(tmp_path):
+    from tuneforge.diagnostics.report import read_fatal_signal
+
+    (tmp_path / "fatal-rank-0.txt").write_text(FATAL)
+    fatal = read_fatal_signal(tmp_path / "fatal-rank-0.txt")
+    assert fatal is not None
+    assert fatal.error == "Fatal Python error: Aborted"
+    assert fatal.site == "/work/my_model/modeling_mine.py:57 in forward"
+    (tmp_path / "fatal-rank-1.txt").write_text("")
+    assert read_fatal_signal(tmp_path / "fatal-rank-1.txt") is None
+
+
+def test_an_abort_is_a_consequence_a_sigkill_is_the_cause():
+    """A dead rank's heartbeat lags: its collective #2 was never published, #3 came from its black box. The
+    unseen #2 is not taken for a skipped collective; #3 is where the ranks part."""
+    extra = {**gather(3, "layers.0.mix"), "op": "all_reduce", "shapes": [[1]], "site": "/m/model.py:57 in forward"}
+    rank0 = state(0, [gather(1, "layers.0.attn"), extra])
+    rank1 = state(
+        1, [gather(1, "layers.0.attn"), gather(2, "layers.0.mix"), gather(3, "layers.1.attn")], reason="error"
+    )
+    aborted = diagnose({0: rank0, 1: rank1}, {0: "died of SIGABRT"})
+    assert aborted.cause.key == "mismatch" and aborted.diverged == [0]
+    assert "first disagreement at collective #3:" in aborted.detail
+    assert any(
+        "rank 0 issued all_reduce #3 from /m/model.py:57 in forward, a line no other" in d for d in aborted.detail
+    )
+    killed = diagnose({0: rank0, 1: rank1}, {0: "killed by SIGKILL"})
+    assert killed.cause.key == "killed" and killed.diverged == [0]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import time
 
@@ -62,18 +64,31 @@ def test_a_collective_issued_on_rank_0_only(tmp_path):
     assert "likely cause: a code path taken by some ranks only" in report
 
 
+def test_a_collective_mismatch_that_aborts_a_rank_is_named_with_its_line(tmp_path):
+    """Model code that issues an all-reduce on rank 0 only, in a forward: gloo pairs it with rank 1's gradient
+    all-reduce of another size and aborts a rank (SIGABRT, no Python exception, no dump). The report still
+    names the mismatch, both collectives and the line that issued the extra one, from the dead rank's
+    faulthandler stacks and the collective it had in flight."""
+    result, report, seconds = run_with_fault(tmp_path, "extra_collective:0:2")
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert report.startswith("tuneforge diagnosis: FAILURE (mismatch)"), report + result.stderr[-3000:]
+    assert "first disagreement at collective #" in report
+    assert re.search(r"rank 0: all_reduce\(\(1,\) float32\) in .* from \S*faults\.py:\d+ in _extra_collective", report)
+    assert re.search(r"rank 1: all_reduce\(\(\d+,\) float32\) in DDP gradient bucket", report), report
+    assert re.search(
+        r"rank 0 issued all_reduce #\d+ from \S*faults\.py:\d+ in _extra_collective, a line no other", report
+    )
+    assert "diverged: rank(s) 0" in report
+    assert "died of a fatal signal (Fatal Python error: Aborted)" in report or "died of SIGABRT" in report, report
+    assert "OOM killer" not in report
+    assert seconds < SLACK_S, seconds
+
+
 def test_one_rank_with_one_more_batch(tmp_path):
     result, report, seconds = run_with_fault(tmp_path, "extra_batch:1:3", engine="fsdp")
     assert_failed_with(result, report, seconds, "uneven_data")
     assert "micro-step 3/2" in report and "diverged: rank(s) 1" in report
     assert "all_gather" in report
-
-
-def test_a_rank_killed_with_sigkill(tmp_path):
-    result, report, seconds = run_with_fault(tmp_path, "kill:1:2")
-    assert_failed_with(result, report, seconds, "killed")
-    assert "rank 1 killed by SIGKILL" in report and "died: rank(s) 1" in report
-    assert "OOM killer" in report
 
 
 def test_a_straggler_in_data_loading_is_slow_not_hung(tmp_path):
@@ -85,16 +100,13 @@ def test_a_straggler_in_data_loading_is_slow_not_hung(tmp_path):
     assert "for rank 1, which is busy in phase 'data' at step 2" in slow[0] and "straggler: rank 1" in slow[0]
 
 
-def test_no_fault_no_report(tmp_path):
-    """The same job without a fault finishes cleanly: the watchdog's limits do not fire on a healthy run."""
-    result, report, _ = run_with_fault(tmp_path, "")
-    assert result.returncode == 0 and report == "" and "slow, not hung" not in result.stderr
-
-
-def test_diagnose_prints_the_report_again_and_dumps_a_live_job(tmp_path):
+def test_a_rank_killed_with_sigkill_then_diagnose_prints_the_report_again_and_dumps_a_live_job(tmp_path):
     (tmp_path / "failed").mkdir()
     (tmp_path / "live").mkdir()
-    _, report, _ = run_with_fault(tmp_path / "failed", "kill:1:2")
+    result, report, seconds = run_with_fault(tmp_path / "failed", "kill:1:2")
+    assert_failed_with(result, report, seconds, "killed")
+    assert "rank 1 killed by SIGKILL" in report and "died: rank(s) 1" in report
+    assert "OOM killer" in report
     again = subprocess.run([TUNEFORGE, "diagnose", str(tmp_path / "failed" / "run")], capture_output=True, text=True)
     assert again.returncode == 0 and again.stdout.strip() == report.strip()
 
@@ -116,6 +128,27 @@ def test_diagnose_prints_the_report_again_and_dumps_a_live_job(tmp_path):
     assert "(2/2 ranks answered)" in dump.stdout, dump.stdout + dump.stderr
     assert "rank 1: phase data, step 2" in dump.stdout and "in _inject_data_fault" in dump.stdout
     assert "rank 0: phase forward/backward, step 2" in dump.stdout and "waiting in #" in dump.stdout
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_at_a_step_end_with_a_checkpoint(tmp_path):
+    """How SLURM and Kubernetes stop a job: SIGTERM to the launcher, which passes it on to the ranks. Rank 1 is
+    loading step 2's data (slowly), rank 0 waits for it in a collective: neither is stuck, so both finish step 2,
+    save it and exit with 143 and the resume command; no hang is diagnosed."""
+    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
+    (tmp_path / "cfg.yaml").write_text(CONFIG.format(engine="ddp").replace("stall_timeout_s: 4", "stall_timeout_s: 30"))
+    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / "run")]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": "sleep_data:1:2:6"}
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    heartbeats = tmp_path / "run" / "diagnostics" / "live"
+    wait_for_heartbeat(heartbeats / "rank-1.json", lambda beat: beat["step"] == 2 and beat["phase"] == "data")
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 143, err[-3000:]
+    assert "stopping after step 2: SIGTERM received by 2 of 2 rank(s)" in out
+    assert "tuneforge: stopped by SIGTERM after step 2 of 4; checkpoint " in err and "--resume auto" in err
+    assert (tmp_path / "run" / "checkpoints" / "step-2" / "model.safetensors").exists()
+    assert not (tmp_path / "run" / "diagnostics" / "report.txt").exists() and "diagnosis" not in err
 
 
 def wait_for_heartbeat(path, ready, timeout_s: float = 60) -> None:

@@ -43,6 +43,22 @@ GPU_CHOICES = ["h100", "h200", "a100-80gb", "a100-40gb", "l40s", "a10g", "l4"]
 """The keys of `estimate.hardware.ACCELERATORS`, written out so that `--help` does not import torch."""
 
 
+def _int_from(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer in [minimum, maximum], refused with the range otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"from {minimum} to {maximum}" if maximum is not None else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tuneforge",
@@ -74,11 +90,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the work dir holds another run's outputs: move them to WORK_DIR/previous-runs/ and start afresh",
     )
     launch = train.add_argument_group("launching several processes (PyTorch's elastic launcher)")
-    launch.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node (default 1)")
-    launch.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    launch.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)")
+    launch.add_argument(
+        "--nproc-per-node", type=_int_from(1), default=1, help="worker processes on this node (default 1)"
+    )
+    launch.add_argument("--nnodes", type=_int_from(1), default=1, help="number of nodes (default 1)")
+    launch.add_argument("--node-rank", type=_int_from(0), default=0, help="this node's index, 0..nnodes-1 (default 0)")
     launch.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
-    launch.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
+    launch.add_argument("--master-port", type=_int_from(1, 65535), default=29500, help="port on node 0 (default 29500)")
 
     chat = commands.add_parser(
         "chat",
@@ -90,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--prompt", help="answer this one prompt and exit (default: interactive)")
     chat.add_argument("--system", help="system prompt (default: the one used in training)")
     chat.add_argument("--template", help="chat template name (default: the one used in training)")
-    chat.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit (default 256)")
+    chat.add_argument("--max-new-tokens", type=_int_from(1), default=256, help="reply length limit (default 256)")
     chat.add_argument("--base", type=Path, help="base model of an adapter checkpoint (default: as recorded)")
 
     export = commands.add_parser(
@@ -125,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     preview.add_argument("config", type=Path, help="YAML config file")
     preview.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
-    preview.add_argument("-n", type=int, default=3, help="how many samples (default 3)")
+    preview.add_argument("-n", type=_int_from(1), default=3, help="how many samples (default 3)")
 
     xtuner = commands.add_parser(
         "import-xtuner",
@@ -139,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     xtuner.add_argument(
         "--deepspeed", metavar="PRESET", help="xtuner's --deepspeed preset, e.g. deepspeed_zero3_offload"
     )
-    xtuner.add_argument("--nproc-per-node", type=int, default=1, help="NPROC_PER_NODE of the xtuner launch")
+    xtuner.add_argument("--nproc-per-node", type=_int_from(1), default=1, help="NPROC_PER_NODE of the xtuner launch")
 
     doctor = commands.add_parser(
         "doctor",
@@ -153,8 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("config", type=Path, help="YAML config file")
     doctor.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
-    doctor.add_argument("--nproc-per-node", type=int, default=1, help="processes per node it will run with")
-    doctor.add_argument("--nnodes", type=int, default=1, help="nodes it will run with")
+    doctor.add_argument("--nproc-per-node", type=_int_from(1), default=1, help="processes per node it will run with")
+    doctor.add_argument("--nnodes", type=_int_from(1), default=1, help="nodes it will run with")
     doctor.add_argument(
         "--gpu",
         choices=GPU_CHOICES,
@@ -225,9 +243,12 @@ def _train(args: argparse.Namespace) -> int:
         raise UserError("--deepspeed names an xtuner preset and goes with an xtuner .py config; use parallel.* keys")
     config = load_config(args.config, args.overrides)  # validated before anything heavy is imported
     from tuneforge.distributed import launched_by_torchrun
-    from tuneforge.train.run import run_training
 
     if args.nproc_per_node * args.nnodes > 1 and not launched_by_torchrun():
+        from tuneforge.train.inputs import check_inputs
+
+        check_inputs(config, work_dir)  # one message here, not one per rank after their start-up
+        # The launcher imports no model code: the workers start seconds sooner and share the cores less.
         from tuneforge.launch import launch_workers
 
         worker_argv = ["train", str(args.config), *args.overrides, "--work-dir", str(work_dir)]
@@ -244,8 +265,30 @@ def _train(args: argparse.Namespace) -> int:
             args.master_port,
             work_dir,
         )
-    run_training(config, work_dir, args.resume, args.archive_previous)
+    from tuneforge.errors import StoppedBySignal
+    from tuneforge.train.run import run_training
+
+    try:
+        run_training(config, work_dir, args.resume, args.archive_previous)
+    except StoppedBySignal as stopped:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"tuneforge: {stopped}", file=sys.stderr)
+            print(f"resume with: {_resume_command(args, work_dir)}", file=sys.stderr)
+        return stopped.exit_code
     return 0
+
+
+def _resume_command(args: argparse.Namespace, work_dir: Path) -> str:
+    """The command that continues this run: its config, overrides and process counts, with --resume auto."""
+    import shlex
+
+    words = ["tuneforge", "train", str(args.config), *args.overrides, "--work-dir", str(work_dir), "--resume", "auto"]
+    local, world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        words += ["--nproc-per-node", str(local)]
+        if world > local:
+            words += ["--nnodes", str(world // local), "--node-rank", "N", "--master-addr", "ADDR"]
+    return shlex.join(words)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -304,13 +347,17 @@ def _data(args: argparse.Namespace) -> int:
     from tuneforge.data.loader import padding_by_strategy
     from tuneforge.data.pipeline import prepare_data
     from tuneforge.data.preview import show
-    from tuneforge.data.report import format_report
+    from tuneforge.data.report import format_report, nothing_trains
     from tuneforge.data.templates import get_template
     from tuneforge.model.build import build_tokenizer
 
     tokenizer = build_tokenizer(config.model)
     prepared = prepare_data(config.data, tokenizer, get_template(config.data.template))
     if args.data_command == "preview":
+        if len(prepared.train.data) == 0:
+            print("\n".join(format_report(prepared.train.report)))
+            print(f"error: {nothing_trains(prepared.train.report)}", file=sys.stderr)
+            return 1
         show(tokenizer, prepared.train.data, args.n, Console(highlight=False))
         return 0
     for split in (prepared.train, prepared.validation):
@@ -320,7 +367,7 @@ def _data(args: argparse.Namespace) -> int:
             )
             print("\n".join(format_report(split.report)))
     if len(prepared.train.data) == 0:
-        print("error: no trainable samples remain; see the reasons above", file=sys.stderr)
+        print(f"error: {nothing_trains(prepared.train.report)}", file=sys.stderr)
         return 1
     return 0
 
@@ -334,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command in with_overrides:
         args.overrides = [*args.overrides, *rest]
+    if args.command == "train" and args.node_rank >= args.nnodes:
+        parser.error(
+            f"--node-rank {args.node_rank} is beyond --nnodes {args.nnodes}: node ranks go 0..{args.nnodes - 1}"
+        )
     try:
         if args.command == "train":
             return _train(args)

@@ -7,3 +7,17 @@ Internal invariants use ``assert`` instead: those are our bugs, and the tracebac
 
 class UserError(Exception):
     """A located, actionable problem with the user's config, data or command line."""
+
+
+class StoppedBySignal(Exception):
+    """Training stopped on request (SIGTERM from a scheduler, SIGINT from a terminal) at a step boundary that
+    every rank agreed on. Not an error: the run exits with 128 + the signal number, as shells expect."""
+
+    def __init__(self, signal_name: str, signal_number: int, step: int, total_steps: int, checkpoint: str | None):
+        self.signal_name = signal_name
+        self.exit_code = 128 + signal_number
+        self.step = step
+        self.total_steps = total_steps
+        self.checkpoint = checkpoint
+        saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint written for it"
+        super().__init__(f"stopped by {signal_name} after step {step} of {total_steps}; {saved}")

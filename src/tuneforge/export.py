@@ -16,11 +16,18 @@ from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, get_template
 from tuneforge.errors import UserError
 from tuneforge.model.portable_adapter import make_portable
-from tuneforge.model.trained import ADAPTER_CONFIG, adapter_base, base_dtype, is_adapter, load_trained
+from tuneforge.model.trained import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_base,
+    base_dtype,
+    check_checkpoint,
+    is_adapter,
+    load_trained,
+)
 from tuneforge.train.checkpoint import CHAT_META, read_chat_meta
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def attach_chat_template(tokenizer: PreTrainedTokenizerBase, meta: dict) -> str:
@@ -38,9 +45,16 @@ def attach_chat_template(tokenizer: PreTrainedTokenizerBase, meta: dict) -> str:
 def _prepare_out(out: Path) -> Path:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out}: directory exists and is not empty; remove it or choose another")
+    from tuneforge.train.inputs import writable_problems
+
+    if problems := writable_problems("--out", out):
+        raise UserError(problems[0])
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot be created ({exc.strerror}); choose another directory") from None
     return tmp
 
 
@@ -52,6 +66,7 @@ def _finish(tmp: Path, out: Path) -> None:
 
 def export(checkpoint: Path, out: Path, merge: bool, dtype_name: str | None, base: Path | None = None) -> list[str]:
     """Write the export atomically; returns lines describing it."""
+    check_checkpoint(checkpoint)
     meta = read_chat_meta(checkpoint) or {}
     adapter = is_adapter(checkpoint)
     if adapter and not merge:

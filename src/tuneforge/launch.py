@@ -6,11 +6,13 @@ import sys
 import time
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as elastic_run
 
 from tuneforge.diagnostics.report import REPORT, build_report
+from tuneforge.watchdog import STOPPED
 
 USER_ERROR_EXIT = 2
 """What `tuneforge` exits with after printing a UserError."""
@@ -42,11 +44,26 @@ def launch_workers(
     started = time.time()
     try:
         elastic_run(args)
+    except SignalException as exc:
+        # SIGTERM or SIGINT to the launcher: torchrun passed it on to the ranks and waited for them to stop.
+        if not _stopped_together(work_dir, started):
+            print(f"tuneforge: stopped by {exc.sigval.name}", file=sys.stderr)
+        return 128 + exc.sigval
     except ChildFailedError as exc:
+        if _stopped_together(work_dir, started):
+            return exc.get_first_failure()[1].exitcode  # the ranks said why and how to resume
         report_failure(exc, work_dir, nproc_per_node * nnodes, started)
         # A configuration or data error keeps its own status, as in one process; anything else is a failure.
         return USER_ERROR_EXIT if exc.get_first_failure()[1].exitcode == USER_ERROR_EXIT else 1
     return 0
+
+
+def _stopped_together(work_dir: Path | None, started: float) -> bool:
+    """The ranks agreed to stop on a signal, saved what they could and said so: not a failure to diagnose."""
+    if work_dir is None:
+        return False
+    marker = work_dir / "diagnostics" / STOPPED
+    return marker.exists() and marker.stat().st_mtime >= started
 
 
 def report_failure(exc: ChildFailedError, work_dir: Path | None, world_size: int, started: float) -> None:

@@ -11,7 +11,10 @@ A monitor thread per rank, independent of the process group, does three things:
   (`diagnostics/report.txt`, see `diagnostics.report`), and exits with STALL_EXIT_CODE.
 
 The thread keeps running while the main thread is blocked in C code (collectives release the GIL).
-`faulthandler` is armed as a backstop for a main thread that never releases the GIL.
+`faulthandler` is armed as a backstop for a main thread that never releases the GIL, and writes every thread's
+stack to `diagnostics/fatal-rank-R.txt` when the rank dies of a fatal signal (gloo and NCCL abort a rank
+whose collectives do not pair up with its peers'); the collective in flight then is in the recorder's black
+box (`diagnostics/live/collective-rank-R.bin`). The report reads both.
 """
 
 from __future__ import annotations
@@ -34,11 +37,30 @@ from pathlib import Path
 from tuneforge.diagnostics.recorder import RECORDER, CollectiveRecorder
 
 STALL_EXIT_CODE = 3
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOPPED = "stopped.txt"
+"""In `diagnostics/`: written by rank 0 when the ranks stopped together on a signal (not a failure to report)."""
+SAME_STOP_S = 2.0
+"""A stop signal within this time of the first is the same request delivered twice (a terminal's Ctrl-C reaches
+every process, and torchrun forwards it to its workers again); a later one stops at once."""
+STUCK_S = 1.0
+"""A rank asked to stop that waits this long in a collective while a peer's heartbeat has stopped waits for a
+rank that is gone: it is dumped and stopped at once instead of waiting for a step end that never comes."""
 TRAINING_PHASES = ("data", "forward/backward", "optimizer")
 SLOW_PHASES = ("save", "model", "startup")
 """Phases that may legitimately take long (writing a large checkpoint, loading weights): the start-up limit."""
 HEARTBEAT_EVERY_S = 1.0
 RECENT_COLLECTIVES = 32
+
+
+def fatal_stacks_file(diagnostics_dir: Path, rank: int) -> Path:
+    """Where faulthandler writes a rank's stacks when it dies of SIGABRT, SIGSEGV, SIGBUS, SIGFPE or SIGILL."""
+    return diagnostics_dir / f"fatal-rank-{rank}.txt"
+
+
+def black_box_file(diagnostics_dir: Path, rank: int) -> Path:
+    """The recorder's crash-safe copy of a rank's collective in flight."""
+    return diagnostics_dir / "live" / f"collective-rank-{rank}.bin"
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -97,6 +119,7 @@ class StallWatchdog:
         floor_s: float = 300.0,
         step_multiple: float = 10.0,
         grace_s: float = 10.0,
+        stop_grace_s: float = 25.0,
         recorder: CollectiveRecorder = RECORDER,
     ):
         self.diagnostics_dir = diagnostics_dir
@@ -122,8 +145,18 @@ class StallWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._backstop_file = None
+        self._fatal_file = None
         self._warned: set[tuple[int, int]] = set()
         self._failing = threading.Lock()
+        # Graceful stop: the training loop sets `graceful` while it can stop at a step end; a stop signal then
+        # sets `stop_signal`, the loop's per-step vote makes every rank agree (`agree_stop`), and only a rank
+        # that cannot get there within `stop_grace_s` is dumped and stopped at once.
+        self.stop_grace_s = stop_grace_s
+        self.graceful = False
+        self.stop_signal: signal.Signals | None = None
+        self.stop_requested_at = 0.0
+        self.stop_agreed = False
+        self._stop_announced = False
 
     # -- limits ---------------------------------------------------------------------------------------------
     @property
@@ -149,8 +182,12 @@ class StallWatchdog:
         self.live_dir.mkdir(parents=True, exist_ok=True)
         self._backstop_file = (self.diagnostics_dir / f"backstop-stacks-rank{self.rank}.txt").open("w")
         self._arm_backstop()
+        self._fatal_file = fatal_stacks_file(self.diagnostics_dir, self.rank).open("w")
+        faulthandler.enable(file=self._fatal_file, all_threads=True)
+        if self.world_size > 1:
+            self.recorder.arm_black_box(black_box_file(self.diagnostics_dir, self.rank))
         if threading.current_thread() is threading.main_thread():
-            self._catch_sigterm()
+            self._catch_stop_signals()
         self._write_heartbeat()
         self._thread = threading.Thread(target=self._watch, name="tuneforge-watchdog", daemon=True)
         self._thread.start()
@@ -197,51 +234,130 @@ class StallWatchdog:
             if threading.current_thread() is threading.main_thread() and hasattr(self, "_signal_read"):
                 faulthandler.unregister(signal.SIGTERM)
                 signal.set_wakeup_fd(self._previous_wakeup_fd)
-                signal.signal(signal.SIGTERM, self._previous_sigterm or signal.SIG_DFL)
+                for number, previous in self._previous_handlers.items():
+                    signal.signal(number, previous if previous is not None else signal.SIG_DFL)
                 os.close(self._signal_read)
                 os.close(self._signal_write)
             self._backstop_file.close()
             (self.diagnostics_dir / f"backstop-stacks-rank{self.rank}.txt").unlink(missing_ok=True)
+            faulthandler.disable()
+            self._fatal_file.close()
+            fatal_stacks_file(self.diagnostics_dir, self.rank).unlink(missing_ok=True)
+            self.recorder.disarm_black_box()
+            black_box_file(self.diagnostics_dir, self.rank).unlink(missing_ok=True)
             self._write_heartbeat(finished=True)
 
     def _arm_backstop(self) -> None:
         # Re-armed rarely (not per beat): it fires only if the monitor thread itself cannot run.
         faulthandler.dump_traceback_later(self.limit_s * 2 + 60, repeat=False, file=self._backstop_file, exit=True)
 
-    # -- monitor thread -------------------------------------------------------------------------------------
-    def _catch_sigterm(self) -> None:
-        """The launcher stops every rank with SIGTERM when one fails; the stopped ranks' collectives are the
-        evidence. Python runs signal handlers only when the main thread returns to the interpreter, which a
-        rank blocked in a collective never does, but the C-level handler writes the signal number to the wakeup
-        fd at once: the monitor thread reads it, dumps this rank's state, then exits."""
+    # -- stop signals -----------------------------------------------------------------------------------------
+    def _catch_stop_signals(self) -> None:
+        """SIGTERM (schedulers preempting, torchrun stopping the ranks when one failed) and SIGINT (Ctrl-C).
+
+        Python runs signal handlers only when the main thread returns to the interpreter, which a rank blocked
+        in a collective never does, but the C-level handler writes the signal number to the wakeup fd at once:
+        the monitor thread reads it. In the training loop a signal asks for a graceful stop (finish the step,
+        save, exit); a rank stuck waiting for a peer that is gone, or a signal outside the loop, is dumped as
+        evidence and exits at once."""
         self._signal_read, signal_write = os.pipe()
         os.set_blocking(signal_write, False)
         self._terminated = threading.Event()
+        self._stop_lock = threading.RLock()  # the handler may run again inside itself
 
-        def on_sigterm(_signum: int, _frame: object) -> None:  # when the main thread is free: let the dump finish
-            self._terminated.wait(10)
-            os._exit(128 + signal.SIGTERM)
+        def on_signal(number: int, _frame: object) -> None:  # in the main thread, between two bytecodes
+            if self.graceful:
+                self.request_stop(signal.Signals(number))
+                return  # the loop stops at the step's end; the monitor thread handles a repeat
+            self._terminated.wait(10)  # the monitor thread writes its dump first
+            os._exit(128 + number)
 
-        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        self._previous_handlers = {number: signal.signal(number, on_signal) for number in STOP_SIGNALS}
         self._previous_wakeup_fd = signal.set_wakeup_fd(signal_write)
         self._signal_write = signal_write
         # C-level stacks as well (the backstop file), then the handler above.
         faulthandler.register(signal.SIGTERM, file=self._backstop_file, all_threads=True, chain=True)
 
+    def request_stop(self, number: signal.Signals) -> bool:
+        """Ask the loop to stop at the end of the step; False when this is a new request after one already made
+        (the caller then stops at once)."""
+        with self._stop_lock:
+            now = time.monotonic()
+            if self.stop_signal is not None:
+                return now - self.stop_requested_at < SAME_STOP_S
+            self.stop_signal, self.stop_requested_at = number, now
+        return True
+
+    def agree_stop(self) -> None:
+        """Every rank voted to stop after this step: from here the save is bounded by the usual limits."""
+        self.stop_agreed = True
+
     def _on_signals(self) -> None:
         ready, _, _ = select.select([self._signal_read], [], [], 0)
         if not ready:
             return
-        if signal.SIGTERM in os.read(self._signal_read, 64):
-            self.dump("terminated", "stopped by SIGTERM (the launcher stops every rank when one fails)")
-            self._terminated.set()
-            os._exit(128 + signal.SIGTERM)
+        for number in os.read(self._signal_read, 64):
+            if number not in STOP_SIGNALS:
+                continue
+            received = signal.Signals(number)
+            if not self.graceful:
+                self._terminate(
+                    received, "the launcher stops every rank when one fails" if number == signal.SIGTERM else ""
+                )
+            elif self._waiting_for_a_gone_peer():
+                self._terminate(received, "while waiting in a collective for a rank that is gone")
+            elif not self.request_stop(received):
+                self._terminate(received, "a second time: stopping at once, without a checkpoint")
 
+    def _check_graceful_stop(self) -> None:
+        if self.stop_signal is None or self.stop_agreed:
+            return
+        if (
+            not self._stop_announced and self.rank == 0
+        ):  # said here, not in the handler: it may interrupt a print of the main thread
+            self._stop_announced = True
+            print(
+                f"tuneforge: rank {self.rank}: {self.stop_signal.name} received: finishing step {max(self.step, 1)}, "
+                f"then saving a checkpoint and stopping (within watchdog.stop_grace_s={self.stop_grace_s:g}s; send "
+                "it again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self._waiting_for_a_gone_peer():
+            self._terminate(self.stop_signal, "while waiting in a collective for a rank that is gone")
+        waited = time.monotonic() - self.stop_requested_at
+        if waited > self.stop_grace_s:
+            self._terminate(
+                self.stop_signal,
+                f"step {self.step} did not end within watchdog.stop_grace_s={self.stop_grace_s:g}s: stopping without "
+                "a checkpoint",
+            )
+
+    def _waiting_for_a_gone_peer(self) -> bool:
+        waiting = self.recorder.in_flight
+        if self.world_size == 1 or waiting is None or time.time() - waiting.started < STUCK_S:
+            return False
+        now = time.time()
+        peers = self.peers()
+        return len(peers) < self.world_size - 1 or any(
+            p.get("finished") or now - p["updated"] > 3 * HEARTBEAT_EVERY_S for p in peers.values()
+        )
+
+    def _terminate(self, received: signal.Signals, why: str) -> None:
+        detail = f"stopped by {received.name}" + (f" ({why})" if why else "")
+        self.dump("terminated", detail)
+        if self.rank == 0 and self.graceful:
+            print(f"tuneforge: {detail}; --resume auto continues from the newest checkpoint", file=sys.stderr)
+        self._terminated.set()
+        os._exit(128 + received)
+
+    # -- monitor thread -------------------------------------------------------------------------------------
     def _watch(self) -> None:
         last_heartbeat = 0.0
         while not self._stop.wait(0.25):
             if hasattr(self, "_signal_read"):
                 self._on_signals()
+                self._check_graceful_stop()
             now = time.monotonic()
             if now - last_heartbeat >= HEARTBEAT_EVERY_S:
                 self._write_heartbeat()

@@ -37,22 +37,41 @@ def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any, origin: str) 
     node[keys[-1]] = value
 
 
-def _line_of(root: yaml.Node | None, loc: tuple[str | int, ...]) -> int | None:
-    """1-based line of the YAML node at `loc`, or of its deepest existing parent."""
+def _line_of(root: yaml.Node | None, loc: tuple[str | int, ...], exact: bool = False) -> int | None:
+    """1-based line of the YAML node at `loc`, or of its deepest existing parent (None then if `exact`)."""
     node, line = root, None
     for part in loc:
         if isinstance(node, yaml.MappingNode):
             match = [(k, v) for k, v in node.value if k.value == part]
             if not match:
-                break
+                return None if exact else line
             key_node, node = match[0]
             line = key_node.start_mark.line + 1
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
             node = node.value[part]
             line = node.start_mark.line + 1
         else:
-            break
+            return None if exact else line
     return line
+
+
+def _duplicate_keys(node: yaml.Node | None, prefix: str = "") -> list[tuple[str, int, int]]:
+    """(dotted key, first line, repeated line) for every key given twice in one mapping: YAML keeps the last
+    silently, so a value the user sees is not the one that trains."""
+    found: list[tuple[str, int, int]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                found.append((prefix + key, seen[key], line))
+            seen.setdefault(key, line)
+            found.extend(_duplicate_keys(value_node, f"{prefix}{key}."))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            found.extend(_duplicate_keys(item, f"{prefix}{index}."))
+    return found
 
 
 def _section_class(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
@@ -92,7 +111,10 @@ def _format_errors(exc: ValidationError, path: Path, root: yaml.Node | None, ove
         # pydantic reports tuple items with int indices; union branches add class names.
         loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p[:1].isupper()))
         dotted = ".".join(str(p) for p in loc) or "<top level>"
+        # An override names this key or a key inside it, or it created this section (`foo.bar=1` makes `foo`).
         origin = next((o for k, o in overridden.items() if dotted == k or dotted.startswith(k + ".")), None)
+        if origin is None and _line_of(root, loc, exact=True) is None:
+            origin = next((o for k, o in overridden.items() if k.startswith(dotted + ".")), None)
         if origin is not None:
             where = f"{path} (override {origin})"
         else:
@@ -119,9 +141,12 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read, override, validate. Raises ``UserError`` naming the file, line and key of each mistake."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the config
     except OSError as exc:
         raise UserError(f"{path}: cannot read config ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text; save the config as UTF-8") from None
     try:
         root = yaml.compose(text)
         tree = yaml.safe_load(text) or {}
@@ -131,6 +156,15 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raise UserError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
     if not isinstance(tree, dict):
         raise UserError(f"{path}: expected a mapping of sections (model, data, train, ...) at the top level")
+    duplicates = _duplicate_keys(root)
+    if duplicates:
+        raise UserError(
+            "\n".join(
+                f"{path}:{again}: {key}: given twice (lines {first} and {again}); YAML would keep the last one "
+                "silently: delete one"
+                for key, first, again in duplicates
+            )
+        )
 
     overridden: dict[str, str] = {}
     for text_override in overrides:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import re
+import string
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -150,6 +151,38 @@ class TemplateConfig(Section):
     stop_words: list[str] = Field(default_factory=list)
     """Extra strings that end generation (the EOS token always does)."""
 
+    @field_validator("system")
+    @classmethod
+    def _system_placeholders(cls, value: str) -> str:
+        _check_placeholders(value, {"system"})
+        return value
+
+    @field_validator("instruction")
+    @classmethod
+    def _instruction_placeholders(cls, value: str) -> str:
+        if "input" not in _check_placeholders(value, {"input", "round"}):
+            raise ValueError(
+                "has no `{input}`: every user message would be left out of the prompts; put {input} where the "
+                "user's text goes"
+            )
+        return value
+
+
+def _check_placeholders(text: str, allowed: set[str]) -> set[str]:
+    """The `{name}` placeholders of a template string, refused when one is not in `allowed`."""
+    names = ", ".join(f"{{{name}}}" for name in sorted(allowed))
+    try:
+        used = {field for _, field, _, _ in string.Formatter().parse(text) if field is not None}
+    except ValueError as exc:
+        raise ValueError(f"{exc}; the placeholders are {names}, and {{{{ }}}} write literal braces") from None
+    unknown = sorted(used - allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown placeholder {{{unknown[0]}}}; the placeholders are {names} (write {{{{ and }}}} for literal "
+            "braces)"
+        )
+    return used
+
 
 class DataConfig(Section):
     train_files: list[str] = Field(min_length=1)
@@ -180,6 +213,10 @@ class DataConfig(Section):
 
     max_length: int = Field(2048, gt=0)
     """Longest tokenized sample, and the row length when packing."""
+
+    allow_beyond_context: bool = False
+    """Allow `max_length` beyond the model's `max_position_embeddings` (extending the context on purpose,
+    with RoPE scaling); otherwise such a setting is refused before the model loads."""
 
     truncation: Literal["drop", "truncate"] = "drop"
     """Over-length samples: `drop` them, or `truncate` to the whole leading turns that fit. Both are counted."""
@@ -422,6 +459,11 @@ class WatchdogConfig(Section):
 
     report_grace_s: float = Field(10.0, gt=0)
     """After a stall, how long each rank waits for the others' dumps before the report is written."""
+
+    stop_grace_s: float = Field(25.0, gt=0)
+    """On SIGTERM or SIGINT: the time to finish the step and save a checkpoint before exiting. Keep it under the
+    scheduler's kill delay (30 s by default for SLURM, Kubernetes and torchrun); past it, or when a step
+    checkpoint took longer than what is left, the run stops without one and resumes from the previous."""
 
     doctor: Literal["fail", "warn", "off"] = "fail"
     """The pre-flight checks of `tuneforge doctor` at train start: `fail` stops on a failed check, `warn` only

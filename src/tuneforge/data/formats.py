@@ -41,7 +41,22 @@ def _text(value: Any, where: str) -> str:
         return value
     if isinstance(value, list) and value and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
         return "".join(str(p.get("text", "")) for p in value)
-    raise SampleError("missing content", f"{where} has no text content")
+    if value is None:
+        raise SampleError("missing content", f"{where} has no content")
+    if isinstance(value, list) and value:
+        kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in value} - {"text"})
+        raise SampleError(
+            "non-text content",
+            f"{where} has content parts of type {', '.join(kinds)}; only text parts are trained: drop the others",
+        )
+    raise SampleError(
+        "missing content", f"{where}: content is {type(value).__name__} {_short(value)}, not text; write it as a string"
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _loss_flag(value: Any, where: str) -> bool:

@@ -58,6 +58,17 @@ def length_stats(lengths: np.ndarray, labels_trained: int, total_tokens: int) ->
     return percentiles, labels_trained / max(total_tokens, 1)
 
 
+def nothing_trains(report: SplitReport) -> str:
+    """Why no sample is left to train on, for the one error line after the report."""
+    files = ", ".join(report.files)
+    if report.read == 0:
+        return f"data: no records in {files}: the file(s) are empty or hold only blank lines"
+    return (
+        f"data: all {report.read} records of {files} were dropped, for the reasons listed above; fix those "
+        "records, or the settings the reasons name (data.max_length, data.template, data.truncation)"
+    )
+
+
 def format_report(report: SplitReport) -> list[str]:
     """Plain lines; the same text goes to the console and to `data check`."""
     lines = [

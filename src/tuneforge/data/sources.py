@@ -32,12 +32,30 @@ def _snippet(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+NOT_UTF8_FIX = "re-encode the file as UTF-8 (for example `iconv -f latin1 -t utf-8 IN > OUT`)"
+
+
+def _not_utf8(exc: UnicodeDecodeError) -> str:
+    return f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at column {exc.start + 1})"
+
+
 def _read_jsonl(path: Path, on_error: str) -> Iterator[RawRecord]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            origin = f"{path}:{number}"
+            try:
+                # A byte-order mark (Windows editors write one) is not part of the first record.
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                if on_error == "raise":
+                    raise UserError(
+                        f"{origin}: {_not_utf8(exc)}; {NOT_UTF8_FIX}, or set data.on_error=skip to drop and count "
+                        "such lines"
+                    ) from None
+                yield RawRecord(origin, None, "not UTF-8 text")
+                continue
             if not line.strip():
                 continue
-            origin = f"{path}:{number}"
             try:
                 yield RawRecord(origin, json.loads(line))
             except json.JSONDecodeError as exc:
@@ -50,7 +68,12 @@ def _read_jsonl(path: Path, on_error: str) -> Iterator[RawRecord]:
 
 
 def _read_json(path: Path, on_error: str) -> Iterator[RawRecord]:
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: {_not_utf8(exc)}; {NOT_UTF8_FIX}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -74,13 +97,24 @@ def _read_rows(dataset: Any, name: str) -> Iterator[RawRecord]:
 def _read_parquet(path: Path) -> Iterator[RawRecord]:
     import datasets
 
-    yield from _read_rows(datasets.Dataset.from_parquet(str(path), keep_in_memory=True), str(path))
+    try:
+        dataset = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    except Exception as exc:  # pyarrow raises several types for a file that is not parquet
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(
+            f"{path}: not a readable parquet file ({first}); check the file, or give it its real suffix"
+        ) from None
+    yield from _read_rows(dataset, str(path))
 
 
 def _read_saved_dataset(path: Path, split: str) -> Iterator[RawRecord]:
     import datasets
 
-    loaded = datasets.load_from_disk(str(path))
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:  # a partly copied or foreign directory
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"{path}: not a readable saved dataset ({first}); save it again with save_to_disk") from None
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise UserError(f"{path}: no split {split!r} in this dataset (it has {', '.join(loaded)})")

@@ -5,10 +5,15 @@ diagnosis can be checked end to end through the real launcher:
 
 - `skip_all_reduce`: the rank skips the step's token-count all-reduce (a branch that differs between ranks);
 - `rank_only_collective`: the rank runs an "evaluation" with an all-reduce that only it issues;
+- `extra_collective`: the model's code issues an all-reduce on that rank only, inside the step's first
+  training forward (gloo aborts a rank whose collective does not pair up: a SIGABRT, not an exception);
 - `extra_batch`: the rank gets one micro-batch more than the others in that step (uneven data);
 - `sleep_data`: the rank sleeps `seconds` while loading that step's data (a straggler);
 - `kill`: the rank kills itself with SIGKILL (a crash, or the OOM killer);
+- `sigterm`, `sigint`: the rank sends itself that signal while loading that step's data (a scheduler's
+  preemption, a Ctrl-C);
 - `kill_in_save`: the same, in the middle of writing that step's checkpoint;
+- `disk_full_in_save`: writing that step's checkpoint fails as on a full disk (ENOSPC);
 - `nan_loss`: the rank's loss of that step is NaN (a bad sample, an overflow).
 
 The faults live in wrappers around the run's parts (the step groups, the engine, the model's last decoder
@@ -18,6 +23,7 @@ layer), installed by `run.setup` only when the variable is set: the training loo
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import time
@@ -32,7 +38,19 @@ from tuneforge.train.parts import StepGroups
 from tuneforge.watchdog import StallWatchdog
 
 ENV = "TUNEFORGE_INJECT_FAULT"
-KINDS = ("skip_all_reduce", "rank_only_collective", "extra_batch", "sleep_data", "kill", "kill_in_save", "nan_loss")
+KINDS = (
+    "skip_all_reduce",
+    "rank_only_collective",
+    "extra_collective",
+    "extra_batch",
+    "sleep_data",
+    "kill",
+    "sigterm",
+    "sigint",
+    "kill_in_save",
+    "disk_full_in_save",
+    "nan_loss",
+)
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,7 @@ class FaultInjector:
         self.rank = rank
         self.watchdog = watchdog
         self.step = 0
+        self._extra_issued_at = 0
 
     def due(self, kind: str) -> bool:
         return self.fault.kind == kind and self.fault.rank == self.rank and self.fault.step == self.step
@@ -77,11 +96,22 @@ class FaultInjector:
             time.sleep(self.fault.seconds)
         if self.due("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
+        for kind, number in (("sigterm", signal.SIGTERM), ("sigint", signal.SIGINT)):
+            if self.due(kind):
+                os.kill(os.getpid(), number)
 
     def wrap_engine(self, engine: Engine) -> Engine:
         if self.fault.kind == "nan_loss":
             decoder_layers(engine.unwrapped)[-1].register_forward_hook(self._poison)
+        if self.fault.kind == "extra_collective":
+            decoder_layers(engine.unwrapped)[-1].register_forward_hook(self._extra_collective)
         return FaultyEngine(engine, self)
+
+    def _extra_collective(self, module: torch.nn.Module, _inputs: object, output: object) -> object:
+        if self.due("extra_collective") and module.training and self._extra_issued_at != self.step:
+            self._extra_issued_at = self.step
+            torch.distributed.all_reduce(torch.ones(1))  # as model code might: on this rank only
+        return output
 
     def _poison(self, module: torch.nn.Module, _inputs: object, output: object) -> object:
         """The last decoder layer's output times NaN in training forwards: the loss and every gradient of the
@@ -143,6 +173,8 @@ class FaultyEngine(Engine):
         self.inner.save_state(directory)
         if self.injector.due("kill_in_save"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.injector.due("disk_full_in_save"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "engine.pt"))
 
     def load_state(self, directory: Path) -> None:
         self.inner.load_state(directory)

@@ -6,6 +6,11 @@ innermost module whose forward was running. Two ranks that issue the same progra
 the first number at which they differ is where they diverged. DDP's bucket all-reduces run in C++ and are
 recorded through a communication hook in the DDP engine instead.
 
+Each record also keeps its call site: the innermost frame outside torch and DeepSpeed, that is the model,
+engine or user code that issued it. A rank that gloo or NCCL aborts (SIGABRT) never writes a dump, so the
+collective in flight is also kept in a small memory-mapped file (the black box, `arm_black_box`): the kernel
+keeps its content when the process dies.
+
 Module tracking uses the global forward hooks of `torch.nn` (no model code is touched): a stack of names,
 pushed before and popped after each forward; in backward, a hook on each module's output tensor names the
 module whose backward is about to run.
@@ -14,11 +19,15 @@ module whose backward is about to run.
 from __future__ import annotations
 
 import functools
+import json
+import mmap
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,6 +73,8 @@ class CollectiveRecord:
     """time.time() when issued."""
     seconds: float | None = None
     """How long the call took (None while in flight; asynchronous calls return at once)."""
+    site: str = ""
+    """`file:line in function` that issued it, outside torch and DeepSpeed ("" from autograd's own threads)."""
 
     def signature(self) -> tuple:
         """What must match across ranks for the collective to pair up."""
@@ -72,6 +83,35 @@ class CollectiveRecord:
     def describe(self) -> str:
         tensors = ", ".join(f"{tuple(s)} {d}" for s, d in zip(self.shapes, self.dtypes, strict=False)) or "no tensors"
         return f"#{self.seq} {self.op}({tensors}) in {self.module or '-'} [{self.phase}]"
+
+
+LIBRARY_PARTS = ("/torch/", "/deepspeed/", "tuneforge/diagnostics/recorder.py", "/functools.py", "/contextlib.py")
+"""Frames that are plumbing between the code that asks for a collective and the collective itself."""
+BLACK_BOX_BYTES = 4096
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library(filename: str) -> bool:
+    return any(part in filename for part in LIBRARY_PARTS)
+
+
+def call_site(skip: int = 2) -> str:
+    """`file:line in function` of the innermost caller outside torch, DeepSpeed and this module."""
+    frame = sys._getframe(skip)
+    while frame is not None and _is_library(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def read_black_box(path: Path) -> dict | None:
+    """The collective a rank had in flight when it died (None if it had none, or never armed the box)."""
+    try:
+        text = path.read_bytes().rstrip(b"\0 ").decode()
+        return json.loads(text) if text else None
+    except (OSError, ValueError):
+        return None
 
 
 def _tensors(value: Any) -> Iterable[torch.Tensor]:
@@ -95,6 +135,7 @@ class CollectiveRecorder:
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._originals: dict[str, Callable] = {}
+        self._black_box: mmap.mmap | None = None
 
     # -- modules -------------------------------------------------------------------------------------------
     def track_modules(self, model: nn.Module) -> None:
@@ -151,15 +192,39 @@ class CollectiveRecorder:
                 module=self.module,
                 phase=self.phase,
                 started=time.time(),
+                site=call_site(3),
             )
             self.records.append(entry)
             self.in_flight = entry
+            self._write_black_box(entry)
         return entry
 
     def done(self, entry: CollectiveRecord) -> None:
         entry.seconds = time.time() - entry.started
         if self.in_flight is entry:
             self.in_flight = None
+            self._write_black_box(None)
+
+    # -- black box -----------------------------------------------------------------------------------------
+    def arm_black_box(self, path: Path) -> None:
+        """Keep the collective in flight in `path` (a page of shared memory backed by the file)."""
+        self.disarm_black_box()
+        path.write_bytes(b"\0" * BLACK_BOX_BYTES)
+        with path.open("r+b") as file:
+            self._black_box = mmap.mmap(file.fileno(), BLACK_BOX_BYTES)
+
+    def disarm_black_box(self) -> None:
+        if self._black_box is not None:
+            self._black_box.close()
+            self._black_box = None
+
+    def _write_black_box(self, entry: CollectiveRecord | None) -> None:
+        if self._black_box is None:
+            return
+        payload = json.dumps(asdict(entry)).encode() if entry is not None else b""
+        if len(payload) > BLACK_BOX_BYTES:
+            payload = json.dumps({**asdict(entry), "shapes": [], "dtypes": []}).encode()[:BLACK_BOX_BYTES]
+        self._black_box[:] = payload.ljust(BLACK_BOX_BYTES, b"\0")
 
     def _wrap(self, name: str, original: Callable) -> Callable:
         @functools.wraps(original)

@@ -2,7 +2,9 @@
 and the likely cause with its fix.
 
 Inputs are the per-rank dumps written at a stall or error (`diagnostics/rank-R.json`) and, for ranks that
-could not dump (killed, crashed), their last heartbeat (`diagnostics/live/rank-R.json`) and exit status.
+could not dump (killed, crashed), their last heartbeat (`diagnostics/live/rank-R.json`), exit status, the
+stacks faulthandler wrote if a fatal signal ended them (`diagnostics/fatal-rank-R.txt`) and the collective
+they had in flight (the recorder's black box).
 Everything here is a pure function of those files, so `tuneforge diagnose` can rebuild a report later.
 """
 
@@ -16,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tuneforge.watchdog import TRAINING_PHASES, read_json
+from tuneforge.diagnostics.recorder import _is_library, read_black_box
+from tuneforge.watchdog import TRAINING_PHASES, black_box_file, fatal_stacks_file, read_json
 
 REPORT = "report.txt"
 EXPERT_MODULE = re.compile(r"(^|\.)experts(\.|$)")
@@ -44,6 +47,13 @@ CAUSES = {
         "experts its own tokens picked, so the ranks issue different collectives (the original report's hang)",
         "keep parallel.moe_safety: true (MoE blocks become ZeRO-3 leaf modules; FSDP2 reduces zeros for idle "
         "experts), and prefer transformers' native implementation over trust_remote_code",
+    ),
+    "aborted": Cause(
+        "aborted",
+        "a rank died of a fatal signal of its own (SIGABRT, SIGSEGV); gloo and NCCL abort a rank whose collective "
+        "does not pair up with its peers' (a different op or size), so the call it died in is the first suspect",
+        "read that rank's stacks in diagnostics/fatal-rank-*.txt: the frame named above issued the call it died "
+        "in; make every rank issue the same collectives in the same order, then resume from the last checkpoint",
     ),
     "uneven_data": Cause(
         "uneven_data",
@@ -74,7 +84,8 @@ CAUSES = {
     "mismatch": Cause(
         "mismatch",
         "the ranks issued different collectives at the same point (different ops or tensor shapes)",
-        "compare the two stacks in diagnostics/stacks-rank-*.txt: the code paths differ from that line",
+        "compare the lines named above and the stacks in diagnostics/stacks-rank-*.txt (fatal-rank-*.txt for a "
+        "rank that died): the code paths differ from there; make every rank issue the same collectives in order",
     ),
     "stuck": Cause(
         "stuck",
@@ -112,14 +123,50 @@ def _alive(heartbeat: dict | None) -> bool | None:
     return True
 
 
+FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
+COLLECTIVE_FILES = ("distributed_c10d.py", "tuneforge/diagnostics/recorder.py")
+SENT_FROM_OUTSIDE = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class FatalSignal:
+    """What faulthandler wrote when a rank died of a fatal signal."""
+
+    error: str
+    """Its first line, such as `Fatal Python error: Aborted`."""
+    site: str
+    """The innermost frame outside torch and DeepSpeed of the thread that was in a collective (or of the
+    deepest stack): the code that issued the call the rank died in."""
+
+
+def read_fatal_signal(path: Path) -> FatalSignal | None:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    if not text.strip():
+        return None
+    stacks = []
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text):
+        frames = [m for line in block.splitlines() if (m := FRAME.match(line))]  # innermost first
+        if frames:
+            stacks.append(frames)
+    in_collective = [f for f in stacks if any(m["file"].endswith(COLLECTIVE_FILES) for m in f)]
+    chosen = (in_collective or sorted(stacks, key=len, reverse=True) or [[]])[0]
+    site = next((f"{m['file']}:{m['line']} in {m['name']}" for m in chosen if not _is_library(m["file"])), "")
+    return FatalSignal(text.strip().splitlines()[0].strip(), site)
+
+
 def _exit_description(code: int) -> str:
     if code > 128 and code - 128 in (signal.SIGTERM, signal.SIGKILL):
         code = 128 - code  # 143: a shell-style exit after SIGTERM
     if code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
         except ValueError:
             return f"killed by signal {-code}"
+        # SIGABRT, SIGSEGV and the like come from the process itself (gloo and NCCL abort on a mismatch).
+        return f"killed by {name}" if -code in SENT_FROM_OUTSIDE else f"died of {name}"
     return f"exited with status {code}"
 
 
@@ -129,7 +176,11 @@ def _first_divergence(sequences: dict[int, dict[int, dict]]) -> tuple[int, dict[
     start = max(min(seq) if seq else 1 for seq in sequences.values())
     end = max(max(seq) if seq else 0 for seq in sequences.values())
     for number in range(start, end + 1):
-        at = {rank: seq.get(number) for rank, seq in sequences.items()}
+        # A rank that holds later records but not this one issued it unseen (a dead rank's heartbeat lags
+        # behind its black box): unknown, not absent.
+        at = {rank: seq.get(number) for rank, seq in sequences.items() if number in seq or max(seq, default=0) < number}
+        if len(at) < 2:
+            continue
         signatures = {
             (r["op"], tuple(map(tuple, r["shapes"])), tuple(r["dtypes"])) if r is not None else None
             for r in at.values()
@@ -171,7 +222,26 @@ def _describe_record(record: dict | None) -> str:
     tensors = (
         ", ".join(f"{tuple(s)} {d}" for s, d in zip(record["shapes"], record["dtypes"], strict=False)) or "no tensors"
     )
-    return f"{record['op']}({tensors}) in {record['module'] or '-'} [{record['phase']}]"
+    site = f" from {_short(record['site'])}" if record.get("site") else ""
+    return f"{record['op']}({tensors}) in {record['module'] or '-'} [{record['phase']}]{site}"
+
+
+def _short(site: str) -> str:
+    """A call site with an installed package's path cut to the package."""
+    return site.split("site-packages/", 1)[-1]
+
+
+def _sites_only_on(sequences: dict[int, dict[int, dict]], at: dict[int, dict | None]) -> dict[int, dict]:
+    """The ranks whose collective at the divergence came from a line that no other rank issued any recorded
+    collective from: an extra collective on that rank (or one the others skip)."""
+    sites = {rank: {record.get("site") for record in seq.values()} for rank, seq in sequences.items()}
+    lonely = {}
+    for rank, record in at.items():
+        if record is None or not record.get("site"):
+            continue
+        if not any(record["site"] in found for other, found in sites.items() if other != rank):
+            lonely[rank] = record
+    return lonely if len(lonely) < len(at) else {}
 
 
 def _signature(record: dict) -> tuple:
@@ -213,7 +283,8 @@ def diagnose(states: dict[int, dict], missing: dict[int, str]) -> Diagnosis:
         return Diagnosis(CAUSES["killed"], sorted(missing), died)
     found = _diagnose_program(states)
     if missing and found.cause.key in ("same_collective", "stuck"):
-        return Diagnosis(CAUSES["killed"], sorted(missing), died)
+        fatal = sorted(r for r, how in missing.items() if how.startswith("died of"))
+        return Diagnosis(CAUSES["aborted" if fatal else "killed"], fatal or sorted(missing), died)
     found.detail.extend(f"{line} (a consequence)" for line in died)
     return found
 
@@ -296,7 +367,22 @@ def _diagnose_program(states: dict[int, dict]) -> Diagnosis:
             f"{', '.join(map(str, others))} did not (skipped it, or the former took a path the others did not)"
         )
         return Diagnosis(CAUSES["skipped_collective"], diverged, detail)
-    return Diagnosis(CAUSES["mismatch"], diverged, detail)
+    lonely = _sites_only_on(sequences, divergence[1])
+    for rank, record in sorted(lonely.items()):
+        detail.append(
+            f"rank {rank} issued {record['op']} #{record['seq']} from {_short(record['site'])}, a line no other "
+            "rank issued a collective from: an extra collective on that rank, or one the others skip"
+        )
+    return Diagnosis(CAUSES["mismatch"], sorted(lonely) or diverged, detail)
+
+
+def _with_black_box(heartbeat: dict, in_flight: dict | None) -> dict:
+    """A dead rank's last heartbeat, completed with the collective it had in flight when it died (which it
+    issued after its last heartbeat, or while blocked in it)."""
+    known = heartbeat.get("collectives") or []
+    if in_flight is None or (known and in_flight["seq"] <= known[-1]["seq"]):
+        return heartbeat
+    return {**heartbeat, "collectives": [*known, in_flight], "in_flight": _describe_record(in_flight)}
 
 
 def _where(rank: int, state: dict, source: str) -> str:
@@ -328,18 +414,21 @@ def build_report(diagnostics_dir: Path, world_size: int, exit_codes: dict[int, i
             continue
         code = exit_codes.get(rank)
         alive = _alive(heartbeat)
+        fatal = read_fatal_signal(fatal_stacks_file(diagnostics_dir, rank))
         if heartbeat is not None:
+            heartbeat = _with_black_box(heartbeat, read_black_box(black_box_file(diagnostics_dir, rank)))
             states[rank] = heartbeat
             age = time.time() - heartbeat["updated"]
-            how = (
-                _exit_description(code)
-                if code is not None
-                else (
+            if fatal is not None:
+                how = f"died of a fatal signal ({fatal.error})" + (f" at {fatal.site}" if fatal.site else "")
+            elif code is not None:
+                how = _exit_description(code)
+            else:
+                how = (
                     "is gone (its process no longer exists)" if alive is False else f"stopped reporting {age:.0f}s ago"
                 )
-            )
             lines.append(_where(rank, heartbeat, f"last heartbeat {age:.0f}s ago") + f"; {how}")
-            if (code is not None and code != 0 and code != -signal.SIGTERM) or alive is False:
+            if (code is not None and code != 0 and code != -signal.SIGTERM) or alive is False or fatal is not None:
                 missing[rank] = how
         else:
             how = _exit_description(code) if code is not None else "never reported"
@@ -352,7 +441,7 @@ def build_report(diagnostics_dir: Path, world_size: int, exit_codes: dict[int, i
     who = f"rank(s) {', '.join(map(str, diagnosis.diverged))}" if diagnosis.diverged else "no single rank"
     if not diagnosis.diverged and diagnosis.cause.key == "moe":
         who = "every rank, each after its own tokens' choice of experts"
-    verdict = "died" if diagnosis.cause.key == "killed" else "diverged"
+    verdict = "died" if diagnosis.cause.key in ("killed", "aborted") else "diverged"
     text = [
         f"tuneforge diagnosis: {kind} ({diagnosis.cause.key})",
         "where each rank is:",

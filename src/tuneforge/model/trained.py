@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import transformers
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from tuneforge.config.schema import QuantizationConfig
@@ -22,7 +23,9 @@ from tuneforge.model.adapters import exact_targets
 from tuneforge.model.build import DTYPES
 from tuneforge.model.portable_adapter import ADAPTER_CONFIG
 from tuneforge.model.quantize import bitsandbytes_config, keep_training_layout
-from tuneforge.train.checkpoint import read_chat_meta
+from tuneforge.train.checkpoint import checkpoint_problems, read_chat_meta
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass
@@ -38,7 +41,7 @@ def is_adapter(checkpoint: Path) -> bool:
     return (checkpoint / ADAPTER_CONFIG).exists()
 
 
-def _check_checkpoint(checkpoint: Path) -> None:
+def check_checkpoint(checkpoint: Path) -> None:
     if not checkpoint.is_dir():
         raise UserError(f"{checkpoint}: no such checkpoint directory")
     if not (checkpoint / "config.json").exists() and not is_adapter(checkpoint):
@@ -46,6 +49,37 @@ def _check_checkpoint(checkpoint: Path) -> None:
             f"{checkpoint}: not a model checkpoint (neither config.json nor {ADAPTER_CONFIG}); pass a "
             "checkpoints/step-N or checkpoints/final directory"
         )
+    if problems := checkpoint_problems(checkpoint):
+        raise UserError(f"{checkpoint}: damaged since it was written: {'; '.join(problems)}")
+    weights = _weight_files(checkpoint)
+    if weights is None:
+        expected = ADAPTER_WEIGHTS if is_adapter(checkpoint) else "model.safetensors"
+        raise UserError(f"{checkpoint}: no {expected} here: the checkpoint is incomplete; take another one")
+    for file in weights:
+        try:
+            with safe_open(file, framework="pt"):  # reads the header and checks the size it announces
+                pass
+        except Exception as exc:  # safetensors raises its own error type for a truncated or foreign file
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            raise UserError(f"{file}: not readable ({reason}): the checkpoint is damaged; take another one") from None
+
+
+def _weight_files(checkpoint: Path) -> list[Path] | None:
+    """The safetensors files holding a checkpoint's weights (every shard an index names); [] for weights in
+    PyTorch's own format (not checked here), None when there are none."""
+    if is_adapter(checkpoint):
+        return [checkpoint / ADAPTER_WEIGHTS] if (checkpoint / ADAPTER_WEIGHTS).exists() else None
+    index = checkpoint / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        missing = [name for name in shards if not (checkpoint / name).exists()]
+        if missing:
+            raise UserError(f"{checkpoint}: shard {missing[0]} named by {index.name} is missing; take another one")
+        return [checkpoint / name for name in shards]
+    single = checkpoint / "model.safetensors"
+    if single.exists():
+        return [single]
+    return [] if any(checkpoint.glob("pytorch_model*.bin")) else None
 
 
 def adapter_base(checkpoint: Path, base: Path | None = None) -> str:
@@ -85,7 +119,7 @@ def load_trained(checkpoint: Path, base: Path | None = None, merge: bool = False
     from peft import PeftModel
 
     transformers.utils.logging.disable_progress_bar()
-    _check_checkpoint(checkpoint)
+    check_checkpoint(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     meta = read_chat_meta(checkpoint) or {}
     if not is_adapter(checkpoint):

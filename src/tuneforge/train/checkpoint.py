@@ -46,12 +46,21 @@ def temporary_dir(directory: Path) -> Path:
     return directory.parent / f".tmp-{directory.name}"
 
 
+MANIFEST = "manifest.json"
+"""Every file of a committed checkpoint with its size: resume tells a complete checkpoint from one truncated or
+partly copied since (sizes, not checksums: reading back hundreds of GB at every resume costs too much)."""
+
+
 def commit_checkpoint(tmp: Path, directory: Path) -> Path:
-    """Flush every file, then rename: a crash at any point leaves either the old checkpoint or the new one."""
-    for file in tmp.rglob("*"):
+    """Flush every file, list it in the manifest, then rename: a crash at any point leaves either the old
+    checkpoint or the new one."""
+    sizes = {}
+    for file in sorted(tmp.rglob("*")):
         if file.is_file():
             with file.open("rb") as handle:
                 os.fsync(handle.fileno())
+            sizes[file.relative_to(tmp).as_posix()] = file.stat().st_size
+    (tmp / MANIFEST).write_text(json.dumps({"files": sizes}, indent=1))
     if directory.exists():
         old = directory.parent / f".old-{directory.name}"
         shutil.rmtree(old, ignore_errors=True)
@@ -77,6 +86,30 @@ def save_checkpoint(
     tmp.mkdir(parents=True)
     write_model_files(model, tokenizer, tmp, meta, config_file, state_dict)
     return commit_checkpoint(tmp, directory)
+
+
+def checkpoint_problems(checkpoint: Path) -> list[str]:
+    """What is missing or of another size than when `checkpoint` was written ([] when it is whole, or when it
+    predates manifests)."""
+    path = checkpoint / MANIFEST
+    if not path.exists():
+        return []
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError):
+        return [f"{path} is unreadable"]
+    problems = []
+    for name, size in files.items():
+        file = checkpoint / name
+        if not file.exists():
+            problems.append(f"{file} is missing")
+        elif (now := file.stat().st_size) != size:
+            problems.append(f"{file} has {now:,} bytes, {size:,} when written (truncated or overwritten)")
+    return problems
+
+
+def directory_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 def step_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -16,11 +18,18 @@ from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
 from tuneforge.distributed import barrier, gather_objects
 from tuneforge.engines import Engine
-from tuneforge.errors import UserError
+from tuneforge.errors import StoppedBySignal, UserError
 from tuneforge.estimate.hardware import peak_flops
 from tuneforge.generate import generate_replies
 from tuneforge.model.router_balance import RouterBalance
-from tuneforge.train.checkpoint import commit_checkpoint, prune_checkpoints, temporary_dir, write_model_files
+from tuneforge.train.checkpoint import (
+    commit_checkpoint,
+    directory_bytes,
+    prune_checkpoints,
+    step_checkpoints,
+    temporary_dir,
+    write_model_files,
+)
 from tuneforge.train.loss import loss_sum
 from tuneforge.train.metrics import MetricsLog
 from tuneforge.train.parts import RunParts
@@ -30,6 +39,7 @@ from tuneforge.train.sinks import open_sinks
 from tuneforge.train.state import TRAINING_STATE, ResumePoint, save_rng, write_state
 from tuneforge.train.telemetry import peak_memory_gb
 from tuneforge.train.validate import validation_loss
+from tuneforge.watchdog import STOP_SIGNALS, STOPPED
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,8 @@ class AccumulatedStep:
     """Positions computed, padding included (rows x padded width), over all ranks."""
     router_aux_loss: float | None = None
     """Router balance loss, weighted by each micro-batch's share of target tokens (MoE models only)."""
+    stop_votes: tuple[int, ...] = ()
+    """Per stop signal (SIGTERM, SIGINT): how many ranks had received it by the end of the step."""
 
 
 def accumulate_gradients(
@@ -51,12 +63,14 @@ def accumulate_gradients(
     on_micro_step: Callable[[int], None] | None = None,
     balance: RouterBalance | None = None,
     on_micro_start: Callable[[int], None] | None = None,
+    stop_vote: Callable[[], tuple[int, ...]] | None = None,
 ) -> AccumulatedStep:
     """Backward every micro-batch with its loss sum divided by the step's total target count over all ranks,
     so the gradient is that of the mean over all target tokens, however they are split into micro-batches
     and ranks. The router balance loss of a micro-batch is weighted by its share of those targets, so it
     too is a token-weighted mean; its routing statistics cover the micro-batch of all ranks. Every rank runs
-    the same number of micro-batches and collectives."""
+    the same number of micro-batches and collectives. `stop_vote` (this rank's stop requests) rides on the
+    step's closing sum, so every rank learns at the same step whether any rank was asked to stop."""
     (total_targets,) = engine.sum_across_ranks([sum(mb.num_targets for mb in micro_batches)])
     assert total_targets > 0, "tokenization drops samples without targets"
     loss_total = torch.zeros(())
@@ -77,15 +91,18 @@ def accumulate_gradients(
         loss_total += loss.detach().cpu()
         if on_micro_step is not None:
             on_micro_step(index)
-    loss, aux, tokens, slots = engine.sum_across_ranks(
+    votes = stop_vote() if stop_vote is not None else ()
+    loss, aux, tokens, slots, *stops = engine.sum_across_ranks(
         [
             float(loss_total),
             float(aux_total),
             sum(mb.num_tokens for mb in micro_batches),
             sum(mb.input_ids.numel() for mb in micro_batches),
+            *votes,
         ]
     )
-    return AccumulatedStep(loss, int(total_targets), int(tokens), int(slots), aux if balance is not None else None)
+    aux_loss = aux if balance is not None else None
+    return AccumulatedStep(loss, int(total_targets), int(tokens), int(slots), aux_loss, tuple(int(v) for v in stops))
 
 
 def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
@@ -122,6 +139,41 @@ def step_groups(
         skip = 0
 
 
+OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _is_out_of_space(exc: BaseException, directory: Path) -> bool:
+    if isinstance(exc, OSError) and exc.errno in OUT_OF_SPACE_ERRNOS:
+        return True
+    # torch.save reports a failed write without its errno ("file write failed"): ask the file system.
+    return "write failed" in str(exc) and shutil.disk_usage(directory.parent).free < 64 * 2**20
+
+
+@contextlib.contextmanager
+def out_of_space_explained(tmp: Path, name: str) -> Iterator[None]:
+    """A full disk (or quota) while writing checkpoint `name`: drop the half-written one, keep the previous,
+    and say how much room a checkpoint of this run takes."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        if not _is_out_of_space(exc, tmp):
+            raise
+        written = directory_bytes(tmp) if tmp.exists() else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        checkpoints = tmp.parent
+        previous = step_checkpoints(checkpoints)
+        size = f"at least {written / 2**30:.2f} GiB (this much was written before the disk filled)"
+        if previous:
+            size = f"about {directory_bytes(previous[-1][1]) / 2**30:.2f} GiB (the size of {previous[-1][1].name})"
+        kept = f"the previous checkpoint {previous[-1][1]} is intact" if previous else "no earlier checkpoint exists"
+        free = shutil.disk_usage(checkpoints).free / 2**30
+        raise UserError(
+            f"checkpoint {checkpoints / name} not written: no space left ({free:.2f} GiB free on the disk of "
+            f"{checkpoints}; a checkpoint of this run takes {size}); {kept}. Free space or lower "
+            "checkpoint.keep_last, then continue with --resume auto"
+        ) from None
+
+
 class Trainer:
     """Runs the steps. Every rank executes the same calls in the same order; only rank 0 writes files."""
 
@@ -136,6 +188,9 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.samples_consumed = 0
         self.adapter_note_said = False
+        self.stop_votes: tuple[int, ...] = ()
+        self.last_save_s: float | None = None
+        """How long the last step checkpoint took: whether another fits in the time a stop signal leaves."""
         self.peak_flops = peak_flops(parts.engine.info.device)
         train = cfg.train
         per_epoch = steps_per_epoch(len(parts.planner), train.gradient_accumulation)
@@ -189,6 +244,7 @@ class Trainer:
             if cfg.eval.sample_at_start and cfg.eval.sample_prompts and start_step == 0:
                 self.sample_chats(step=0)
             groups = self.parts.steps_from(start_step)
+            self.watchdog.graceful = True  # from here a stop signal ends the run at a step end, with a checkpoint
             for step in range(start_step + 1, self.total_steps + 1):
                 self.watchdog.beat("data", training=step > 1, step=step, micro_step=0)
                 epoch, micro_batches = next(groups)
@@ -204,11 +260,14 @@ class Trainer:
                     self.sample_chats(step)
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                     self.save(f"step-{step}", step, epoch, with_state=True)
+                self._stop_if_asked(step, epoch)
+            self.watchdog.graceful = False  # the run is complete: a signal now stops it at once
             if cfg.eval.sample_prompts:
                 self.sample_chats(self.total_steps)
             if cfg.checkpoint.save_final:
                 self.save("final", self.total_steps, None, with_state=False)
         finally:
+            self.watchdog.graceful = False
             if metrics_log is not None:
                 metrics_log.close()
             self.progress.close()
@@ -227,7 +286,9 @@ class Trainer:
             self._micro_step_done(step, len(micro_batches)),
             self.parts.balance,
             on_micro_start=self._micro_step_start(step, planned),
+            stop_vote=self._stop_vote,
         )
+        self.stop_votes = accumulated.stop_votes
         self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * engine.info.world_size
 
         self.watchdog.beat("optimizer")
@@ -248,6 +309,52 @@ class Trainer:
         if loss_scale is not None:
             record["loss_scale"] = loss_scale
         return record
+
+    def _stop_vote(self) -> tuple[int, ...]:
+        received = self.watchdog.stop_signal
+        return tuple(int(received == number) for number in STOP_SIGNALS)
+
+    def _stop_if_asked(self, step: int, epoch: int) -> None:
+        """After a step at which some rank had a stop signal: save a step checkpoint if the time left allows,
+        then stop every rank with StoppedBySignal."""
+        voted = [number for number, votes in zip(STOP_SIGNALS, self.stop_votes, strict=True) if votes]
+        if not voted:
+            return
+        self.watchdog.agree_stop()
+        if step == self.total_steps:
+            return  # the run is complete: its final checkpoint comes next, as without the signal
+        received = voted[0]
+        ranks = sum(self.stop_votes)
+        self.progress.log(
+            f"stopping after step {step}: {received.name} received by {ranks} of {self.engine.info.world_size} rank(s)"
+        )
+        checkpoint = self.checkpoints_dir / f"step-{step}"
+        every = self.cfg.checkpoint.every_steps
+        if not (every and step % every == 0):
+            checkpoint = self._save_before_stop(step, epoch)
+        message = StoppedBySignal(
+            received.name, received, step, self.total_steps, str(checkpoint) if checkpoint else None
+        )
+        if self.is_main:
+            (self.work_dir / "diagnostics").mkdir(exist_ok=True)
+            (self.work_dir / "diagnostics" / STOPPED).write_text(str(message) + "\n")
+        raise message
+
+    def _save_before_stop(self, step: int, epoch: int) -> Path | None:
+        """The step checkpoint, unless the last one took longer than the grace time left on some rank (a
+        half-written one would be discarded anyway when the scheduler kills the job)."""
+        watchdog = self.watchdog
+        left = watchdog.stop_grace_s - (time.monotonic() - watchdog.stop_requested_at if watchdog.stop_signal else 0)
+        too_slow = self.last_save_s is not None and self.last_save_s > left
+        (too_slow_anywhere,) = self.engine.sum_across_ranks([float(too_slow)])  # every rank decides the same
+        if too_slow_anywhere:
+            self.progress.log(
+                f"no checkpoint at step {step}: the last one took {self.last_save_s:.0f}s and "
+                f"{max(left, 0):.0f}s of watchdog.stop_grace_s are left; --resume auto takes the newest one"
+            )
+            return None
+        self.save(f"step-{step}", step, epoch, with_state=True)
+        return self.checkpoints_dir / f"step-{step}"
 
     def _record(
         self, step: int, epoch: int, lr: float, grad_norm: float, accumulated: AccumulatedStep, seconds: float
@@ -363,6 +470,7 @@ class Trainer:
         files and renames it into place, so a crash at any point never leaves a checkpoint resume would take."""
         info = self.engine.info
         self.watchdog.beat("save")
+        started = time.monotonic()
         weights = self.engine.full_state_dict()  # a collective for sharded engines: every rank takes part
         final = self.checkpoints_dir / name
         tmp = temporary_dir(final)
@@ -371,14 +479,16 @@ class Trainer:
             (tmp / TRAINING_STATE).mkdir(parents=True)
         barrier(info)
         if with_state:
-            self.engine.save_state(tmp / TRAINING_STATE)
-            save_rng(tmp / TRAINING_STATE, info.rank)
+            with out_of_space_explained(tmp, name):
+                self.engine.save_state(tmp / TRAINING_STATE)
+                save_rng(tmp / TRAINING_STATE, info.rank)
         barrier(info)
         if self.is_main:
             meta = {**self.chat_meta, "step": step}
-            note = write_model_files(
-                self.engine.unwrapped, self.parts.tokenizer, tmp, meta, self.work_dir / "config.yaml", weights
-            )
+            with out_of_space_explained(tmp, name):
+                note = write_model_files(
+                    self.engine.unwrapped, self.parts.tokenizer, tmp, meta, self.work_dir / "config.yaml", weights
+                )
             if note and not self.adapter_note_said:
                 self.progress.log(note)
                 self.adapter_note_said = True
@@ -402,4 +512,6 @@ class Trainer:
             prune_checkpoints(self.checkpoints_dir, self.cfg.checkpoint.keep_last)
             self.progress.log(f"saved checkpoint {final}")
         barrier(info)
+        if with_state:
+            self.last_save_s = time.monotonic() - started
         self.watchdog.beat("save")

@@ -16,7 +16,7 @@ from tuneforge.config import Config, dump_config
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.loader import make_planner, padding_by_strategy
 from tuneforge.data.pipeline import PreparedData, prepare_data
-from tuneforge.data.report import format_report
+from tuneforge.data.report import format_report, nothing_trains
 from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.faults import FaultInjector, injected_fault
 from tuneforge.diagnostics.recorder import RECORDER
@@ -26,11 +26,13 @@ from tuneforge.engines import Engine, EngineTraits, build_engine, choose_engine,
 from tuneforge.errors import UserError
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model.adapters import make_trainable
-from tuneforge.model.build import build_model, build_tokenizer, count_parameters
+from tuneforge.model.build import DTYPES, build_model, build_tokenizer, count_parameters
 from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
+from tuneforge.train.checkpoint import step_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
+from tuneforge.train.inputs import check_inputs, checkpoint_bytes, disk_room_problems
 from tuneforge.train.loop import Trainer, step_groups
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.parts import RunParts, StepGroups
@@ -62,6 +64,7 @@ def run_training(cfg: Config, work_dir: Path, resume: str | None = None, archive
     (the newest complete step checkpoint of this work dir's run, if any) or a checkpoint path.
     `archive_previous`: a fresh run into a work dir with another run's outputs moves them aside first."""
     require_packages(cfg.log)  # a missing TensorBoard or W&B package is reported now, not after the model loads
+    check_inputs(cfg, work_dir)  # every file and path the config names, before anything is loaded or written
     quiet_known_noise()
     info = init_distributed()
     transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
@@ -86,11 +89,23 @@ def _locked_run(
     lock_note: str,
 ) -> dict:
     # Everything that can refuse the run is checked before this run writes a file.
-    resume_dir = find_resume(work_dir, resume, recorded_run(work_dir))
+    passed_over: list[str] = []
+    resume_dir = find_resume(work_dir, resume, recorded_run(work_dir), passed_over)
+    if resume_dir is None and passed_over:
+        raise UserError(
+            "\n".join(passed_over)
+            + "\nevery step checkpoint of this run is damaged: restore one (--resume PATH), or start afresh without "
+            "--resume (--archive-previous keeps them aside)"
+        )
+    for note in passed_over:
+        say(note)
     if resume_dir is not None:
         train = cfg.train
+        point = read_state(resume_dir)
+        if train.max_steps is not None and point.step >= train.max_steps:  # said before the model loads
+            raise UserError(f"--resume {resume_dir}: step {point.step} is already the last of {train.max_steps}")
         check_compatible(
-            read_state(resume_dir),
+            point,
             resume_dir,
             info.world_size,
             train.micro_batch_size,
@@ -128,6 +143,7 @@ def _locked_run(
         floor_s=dog.stall_floor_s,
         step_multiple=dog.stall_step_multiple,
         grace_s=dog.report_grace_s,
+        stop_grace_s=dog.stop_grace_s,
     )
     watchdog.start()
     try:
@@ -154,7 +170,13 @@ def resume_from(
     point = read_state(checkpoint)
     if point.step >= trainer.total_steps:
         raise UserError(f"--resume {checkpoint}: step {point.step} is already the last of {trainer.total_steps}")
-    engine.load_state(checkpoint / TRAINING_STATE)
+    try:
+        engine.load_state(checkpoint / TRAINING_STATE)
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        older = [str(p) for s, p in step_checkpoints(checkpoint.parent) if s < point.step]
+        fallback = f"; an older one: --resume {older[-1]}" if older else ""
+        raise UserError(f"--resume {checkpoint}: its training state cannot be read ({reason}){fallback}") from None
     if info.is_main:
         for log in ("metrics.jsonl", "samples.jsonl"):
             truncate_log(work_dir / log, point.step)
@@ -232,7 +254,7 @@ def load_data(cfg: Config, tokenizer, template, info: DistInfo, say: Say) -> Pre
             split.report.padding = padding_by_strategy(split.data, cfg.train.micro_batch_size, cfg.data.max_length)
             say("\n".join(format_report(split.report)))
     if len(data.train.data) == 0:
-        raise UserError(f"data: no trainable samples left in {', '.join(cfg.data.train_files)}; see the report above")
+        raise UserError(nothing_trains(data.train.report))
     return data
 
 
@@ -267,10 +289,26 @@ def trainable_model(
         f"model: {architecture}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable "
         f"({100 * trainable / total:.2f}%), weights {cfg.model.dtype}, compute {cfg.train.precision}"
     )
+    if info.is_main:
+        check_disk_room(cfg, work_dir, total, trainable, say)
     balance, balance_note = attach_router_balance(moe, model_config, cfg.train.router_aux_loss_coef)
     if balance_note:
         say(balance_note)
     return model, moe, balance, active_matmul_parameters(model, moe)  # counted before an engine shards it
+
+
+def check_disk_room(cfg: Config, work_dir: Path, total: int, trainable: int, say: Say) -> None:
+    """Refuse a run whose first checkpoint cannot fit on the work dir's disk: better now than hours in."""
+    saving = cfg.checkpoint.every_steps or cfg.checkpoint.save_final
+    if not saving:
+        return
+    weight_bytes = torch.empty((), dtype=DTYPES[cfg.model.dtype]).element_size()
+    needed = checkpoint_bytes(total, trainable, weight_bytes, cfg.model.lora is not None)
+    errors, warnings = disk_room_problems(work_dir, needed, cfg.checkpoint.keep_last)
+    if errors:
+        raise UserError("\n".join(errors))
+    for warning in warnings:
+        say(warning)
 
 
 def validation_split(cfg: Config, data: PreparedData, tokenizer, info: DistInfo) -> list[MicroBatch] | None:

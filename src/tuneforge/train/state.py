@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tuneforge.errors import UserError
-from tuneforge.train.checkpoint import step_checkpoints
+from tuneforge.train.checkpoint import checkpoint_problems, step_checkpoints
 
 TRAINING_STATE = "training_state"
 STATE_FILE = "state.json"
@@ -71,19 +71,28 @@ def read_state(checkpoint: Path) -> ResumePoint:
     return ResumePoint(**json.loads(path.read_text()))
 
 
-def find_resume(work_dir: Path, requested: str | None, run_id: str | None = None) -> Path | None:
+def find_resume(
+    work_dir: Path, requested: str | None, run_id: str | None = None, notes: list[str] | None = None
+) -> Path | None:
     """`auto`: the newest complete step checkpoint of the work dir's run `run_id` (None when there is none); or
-    a path. Checkpoints of another run (copied in, or left by one) are never continued by `auto`."""
+    a path. Checkpoints of another run (copied in, or left by one) are never continued by `auto`; newer ones
+    found damaged are passed over, each with a line in `notes`."""
     if requested is None:
         return None
     if requested != "auto":
         path = Path(requested)
         read_state(path)
+        if problems := checkpoint_problems(path):
+            raise UserError(f"--resume {path}: damaged since it was written: {'; '.join(problems)}")
         return path
     for _, path in reversed(step_checkpoints(work_dir / "checkpoints")):
         if (path / TRAINING_STATE / STATE_FILE).exists():
             written_by = read_state(path).run_id
             if run_id is None or written_by is None or written_by == run_id:
+                if problems := checkpoint_problems(path):
+                    if notes is not None:
+                        notes.append(f"resume: passing over {path}: {'; '.join(problems)}")
+                    continue
                 return path
     return None
 

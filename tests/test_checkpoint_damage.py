@@ -1,0 +1,109 @@
+"""Damaged checkpoints and a full disk: resume passes over a checkpoint truncated since it was written and says
+so, refuses one whose state cannot be read naming an older one, and a save that finds the disk full keeps the
+previous checkpoint and says how much room one takes. One process, in this one."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuneforge.config import load_config
+from tuneforge.errors import UserError
+from tuneforge.train.run import run_training
+
+from conftest import TINY_LLAMA, chat, write_jsonl
+
+CONFIG = (
+    TINY_LLAMA
+    + """\
+data: {train_files: [train.jsonl], cache_dir: null}
+train: {lr: 3.0e-3, micro_batch_size: 2, gradient_accumulation: 2, max_steps: 4, precision: fp32}
+checkpoint: {every_steps: 2, keep_last: 3, save_final: false}
+log: {progress: lines, plot: false}
+"""
+)
+
+
+def train(tmp_path, *overrides: str, resume: str | None = None) -> dict:
+    return run_training(load_config(tmp_path / "cfg.yaml", list(overrides)), tmp_path / "run", resume)
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(20)])
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+    train(tmp_path)
+    return tmp_path / "run" / "checkpoints"
+
+
+def test_resume_passes_over_a_truncated_checkpoint_and_refuses_one_that_cannot_be_read(
+    tmp_path, two_checkpoints, capsys
+):
+    state = two_checkpoints / "step-4" / "training_state" / "engine.pt"
+    size = state.stat().st_size
+    state.write_bytes(state.read_bytes()[: size // 2])
+    # Named explicitly, the damaged one is refused with what is wrong with it.
+    with pytest.raises(UserError, match=r"--resume .*step-4: damaged since it was written: .*engine\.pt has"):
+        train(tmp_path, "train.max_steps=6", resume=str(two_checkpoints / "step-4"))
+
+    capsys.readouterr()
+    train(tmp_path, "train.max_steps=6", resume="auto")
+    out = capsys.readouterr().out
+    assert f"resume: passing over {two_checkpoints / 'step-4'}: {state} has {size // 2:,} bytes, {size:,} " in out
+    assert f"resumed from {two_checkpoints / 'step-2'}: step 2 of 6" in out
+
+    # The same size but unreadable content: refused naming the older checkpoint to take instead.
+    state = two_checkpoints / "step-6" / "training_state" / "engine.pt"
+    state.write_bytes(b"\0" * state.stat().st_size)
+    with pytest.raises(UserError) as info:
+        train(tmp_path, "train.max_steps=7", resume="auto")
+    assert str(info.value).startswith(f"--resume {two_checkpoints / 'step-6'}: its training state cannot be read (")
+    assert str(info.value).endswith(f"; an older one: --resume {two_checkpoints / 'step-4'}")
+
+
+def test_when_every_checkpoint_is_damaged_resume_auto_refuses_instead_of_starting_over(tmp_path, two_checkpoints):
+    for name in ("step-2", "step-4"):
+        (two_checkpoints / name / "model.safetensors").unlink()
+    with pytest.raises(UserError) as info:
+        train(tmp_path, "train.max_steps=5", resume="auto")
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"resume: passing over {two_checkpoints / 'step-4'}: {two_checkpoints / 'step-4'}/" + (
+        "model.safetensors is missing"
+    )
+    assert lines[-1].startswith("every step checkpoint of this run is damaged: restore one (--resume PATH)")
+
+
+def test_a_full_disk_at_save_keeps_the_previous_checkpoint_and_says_what_one_takes(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(20)])
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+    monkeypatch.setenv("TUNEFORGE_INJECT_FAULT", "disk_full_in_save:0:4")
+    with pytest.raises(UserError) as info:
+        train(tmp_path)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {checkpoints / 'step-4'} not written: no space left (")
+    assert "a checkpoint of this run takes about " in message and "GiB (the size of step-2)" in message
+    assert f"the previous checkpoint {checkpoints / 'step-2'} is intact" in message
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]  # the half-written one is gone
+
+
+def test_chat_and_export_of_a_damaged_checkpoint_or_to_an_unusable_out_say_so(tmp_path, two_checkpoints, capsys):
+    from tuneforge.cli import main
+
+    step_2, step_4 = two_checkpoints / "step-2", two_checkpoints / "step-4"
+    (tmp_path / "a-file").write_text("")
+    assert main(["export", str(step_4), "--out", str(tmp_path / "a-file" / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {tmp_path / 'a-file' / 'out'}: {tmp_path / 'a-file'} is a file, not a directory; choose "
+        "another path\n"
+    )
+    (step_2 / "model.safetensors").unlink()
+    assert main(["chat", str(step_2), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {step_2}: damaged since it was written: {step_2 / 'model.safetensors'} is missing\n"
+    )
+    # Without a manifest (a directory from elsewhere), a truncated file is found by reading its header.
+    (step_4 / "manifest.json").unlink()
+    weights = step_4 / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["export", str(step_4), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {weights}: not readable (")
