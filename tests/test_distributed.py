@@ -25,11 +25,39 @@ log: {{progress: lines}}
 def train(config: Path, work_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     result = launch(config, work_dir, *extra, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # A healthy run on several ranks: the watchdog's limits never fired.
+    assert not (work_dir / "diagnostics" / "report.txt").exists() and "slow, not hung" not in result.stderr
     return result
 
 
 def losses(work_dir: Path) -> list[float]:
     return [record["loss"] for record in metrics(work_dir)]
+
+
+def write_job(directory: Path, model: str) -> Path:
+    write_jsonl(
+        directory / "train.jsonl", [chat(f"question {i} " + "x" * (i % 9), f"answer {i * 7}") for i in range(40)]
+    )
+    config = directory / "cfg.yaml"
+    config.write_text(CONFIG.format(model=MODELS[model]))
+    return config
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """`one_process(model)` -> (config, work dir of its run in one process with the whole global batch): each
+    model's reference is trained once for all the engines compared with it."""
+    runs: dict[str, tuple[Path, Path]] = {}
+
+    def run(model: str) -> tuple[Path, Path]:
+        if model not in runs:
+            directory = tmp_path_factory.mktemp(f"one-{model}")
+            config = write_job(directory, model)
+            train(config, directory / "one", "train.micro_batch_size=4")
+            runs[model] = config, directory / "one"
+        return runs[model]
+
+    return run
 
 
 # Each engine with the MoE model (its experts make ranks' work differ), the sharded ones with the dense model too;
@@ -38,13 +66,8 @@ def losses(work_dir: Path) -> list[float]:
     ("model", "engine"),
     [("deepseek_v2", engine) for engine in ENGINES] + [("llama", "fsdp"), ("llama", "zero3_offload")],
 )
-def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, model, engine):
-    write_jsonl(
-        tmp_path / "train.jsonl", [chat(f"question {i} " + "x" * (i % 9), f"answer {i * 7}") for i in range(40)]
-    )
-    config = tmp_path / "cfg.yaml"
-    config.write_text(CONFIG.format(model=MODELS[model]))
-    train(config, tmp_path / "one", "train.micro_batch_size=4")
+def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, one_process, model, engine):
+    config, one = one_process(model)
     two = train(
         config,
         tmp_path / "two",
@@ -58,8 +81,8 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, model,
     assert f"engine: {ENGINES[engine][0].split('=')[1]}, 2 process(es)" in two.stdout
     # Tolerance: the runs differ only in summation order (per-rank matmuls, then the gradient all-reduce),
     # about 1e-7 relative in fp32; four AdamW steps keep the drift well under 1e-5.
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
-    one_weights = load_file(tmp_path / "one" / "checkpoints" / "final" / "model.safetensors")
+    assert losses(tmp_path / "two") == pytest.approx(losses(one), abs=1e-5)
+    one_weights = load_file(one / "checkpoints" / "final" / "model.safetensors")
     two_weights = load_file(tmp_path / "two" / "checkpoints" / "final" / "model.safetensors")
     assert one_weights.keys() == two_weights.keys()
     for name, tensor in one_weights.items():
@@ -77,11 +100,7 @@ def test_expert_adapters_on_two_ranks_equal_one_with_the_router_loss_on(tmp_path
     """The report's set-up in small: LoRA on the routed experts (stacked, adapted through PEFT's
     target_parameters), whose MoE map must still drive the router loss and each engine's MoE handling. One MoE
     model per engine: DeepseekV2's MLA and shared experts where the report ran them, under ZeRO-3 with offload."""
-    write_jsonl(
-        tmp_path / "train.jsonl", [chat(f"question {i} " + "x" * (i % 9), f"answer {i * 7}") for i in range(40)]
-    )
-    config = tmp_path / "cfg.yaml"
-    config.write_text(CONFIG.format(model=MODELS[model]))
+    config = write_job(tmp_path, model)
     one = train(config, tmp_path / "one", "train.micro_batch_size=4", EXPERT_ADAPTERS)
     two = train(
         config,
@@ -128,13 +147,8 @@ def assert_peft_loads_it_as_trained(work_dir: Path) -> None:
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
 
 
-def test_two_nodes_simulated_on_this_machine_equal_one_node(tmp_path):
-    write_jsonl(
-        tmp_path / "train.jsonl", [chat(f"question {i} " + "x" * (i % 9), f"answer {i * 7}") for i in range(40)]
-    )
-    config = tmp_path / "cfg.yaml"
-    config.write_text(CONFIG.format(model=MODELS["llama"]))
-    train(config, tmp_path / "one", "train.micro_batch_size=4")
+def test_two_nodes_simulated_on_this_machine_equal_one_node(tmp_path, one_process):
+    config, one = one_process("llama")
     port = str(free_port())
     nodes = [
         subprocess.Popen(
@@ -165,21 +179,17 @@ def test_two_nodes_simulated_on_this_machine_equal_one_node(tmp_path):
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "2 process(es)" in outputs[0]
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    assert losses(tmp_path / "two") == pytest.approx(losses(one), abs=1e-5)
 
 
 def test_fsdp_samples_evaluates_and_saves_loadable_checkpoints_without_hanging(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    write_jsonl(
-        tmp_path / "train.jsonl", [chat(f"question {i} " + "x" * (i % 9), f"answer {i * 7}") for i in range(40)]
-    )
+    write_job(tmp_path, "llama")
     # Replies of a barely trained model end at different lengths on each prompt: generation must run in lockstep.
     write_jsonl(tmp_path / "heldout.jsonl", [chat("q" * n, "a") for n in (1, 7, 19)])
-    config = tmp_path / "cfg.yaml"
-    config.write_text(CONFIG.format(model=MODELS["llama"]))
     run = train(
-        config,
+        tmp_path / "cfg.yaml",
         tmp_path / "wd",
         "parallel.engine=fsdp",
         "train.micro_batch_size=2",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from tuneforge.model.trained import load_trained
 from tuneforge.train.checkpoint import save_checkpoint
 from tuneforge.train.run import run_training
 
-from conftest import TUNEFORGE, chat, free_port, write_jsonl
+from conftest import chat, write_jsonl
 
 pytest.importorskip("bitsandbytes")
 
@@ -206,50 +205,6 @@ def test_qlora_loss_falls(tmp_path, capsys, architecture, size):
     assert "quantization: base weights 4-bit nf4, double quant, compute float32" in out
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
-
-
-def test_qlora_under_zero3_with_cpu_offload_on_two_ranks_trains_and_exports(tmp_path):
-    write_config(tmp_path, "llama", LLAMA)
-    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / "one")]
-    one = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stdout + one.stderr
-    command = [
-        TUNEFORGE,
-        "train",
-        str(tmp_path / "cfg.yaml"),
-        "--work-dir",
-        str(tmp_path / "two"),
-        "parallel.engine=deepspeed",
-        "parallel.zero_stage=3",
-        "parallel.cpu_offload=all",
-        "train.micro_batch_size=2",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-    ]
-    two = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert two.returncode == 0, two.stdout + two.stderr
-    losses = {
-        run: [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").open()] for run in ("one", "two")
-    }
-    # The same global batch in one process or split over two ZeRO-3 ranks: only summation order differs.
-    assert losses["two"] == pytest.approx(losses["one"], abs=1e-5)
-    assert losses["two"][-1] < 0.8 * losses["two"][0]
-
-    final = tmp_path / "two" / "checkpoints" / "final"
-    exported = subprocess.run(
-        [TUNEFORGE, "export", str(final), "--out", str(tmp_path / "merged"), "--merge"], capture_output=True, text=True
-    )
-    assert exported.returncode == 0, exported.stderr
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    trained = load_trained(final).model
-    probe = torch.tensor([[5, 6, 7, 8, 9]])
-    with torch.no_grad():
-        expected = trained(input_ids=probe).logits
-        error = (merged(input_ids=probe).logits - expected).abs().max()
-    # The CPU 4-bit matmul is bf16-accurate (see above); with this model's large logits, 2% of their scale.
-    assert error < 2e-2 * expected.abs().max(), (error, expected.abs().max())
 
 
 def test_chat_answers_the_same_from_an_adapter_checkpoint_and_its_merged_export(tmp_path, tokenizer, capsys):
