@@ -73,8 +73,9 @@ def accumulate_gradients(
     step's closing sum, so every rank learns at the same step whether any rank was asked to stop."""
     (total_targets,) = engine.sum_across_ranks([sum(mb.num_targets for mb in micro_batches)])
     assert total_targets > 0, "tokenization drops samples without targets"
-    loss_total = torch.zeros(())
-    aux_total = torch.zeros(())
+    # Summed where the losses are: one host sync per step (the closing sum), none per micro-step.
+    loss_total: torch.Tensor | float = 0.0
+    aux_total: torch.Tensor | float = 0.0
     fuse = engine.traits.fuses_output_layer
     for index, batch in enumerate(micro_batches, start=1):
         if on_micro_start is not None:
@@ -86,9 +87,9 @@ def accumulate_gradients(
             if balance is not None:
                 aux = balance.loss(batch.attention_mask, batch.num_targets, total_targets, engine.sum_across_ranks)
                 objective = loss + balance.coef * aux
-                aux_total += aux.detach().cpu()
+                aux_total = aux_total + aux.detach()
             engine.backward(objective)
-        loss_total += loss.detach().cpu()
+        loss_total = loss_total + loss.detach()
         if on_micro_step is not None:
             on_micro_step(index)
     votes = stop_vote() if stop_vote is not None else ()
