@@ -101,6 +101,25 @@ def test_confidently_wrong_rows_keep_an_exact_loss():
     assert float(loss) == pytest.approx(float(expected)) and float(loss) > 399
 
 
+def test_the_gpu_form_without_a_branch_gives_the_cpu_form_losses_and_probabilities():
+    """GPUs take log-sum-exp minus the target logit for every row (no data-dependent branch, so no host sync);
+    the CPU overwrites the logits and recomputes only underflowing rows. Same numbers, rows like that included."""
+    from tuneforge.train.fused_loss import _softmax_and_loss
+
+    generator = torch.Generator().manual_seed(0)
+    part = torch.randn(6, 8, generator=generator)
+    matrix = torch.randn(50, 8, generator=generator)
+    part[0] = 40 * matrix[3]  # row 0 is confidently wrong about its target 7
+    wanted = torch.tensor([7, 1, 2, 3, 4, 5])
+    kept, in_place = (part @ matrix.T for _ in range(2))
+    gpu_probabilities, gpu_loss = _softmax_and_loss(kept, wanted, part, matrix, overwrite=False)
+    cpu_probabilities, cpu_loss = _softmax_and_loss(in_place, wanted, part, matrix, overwrite=True)
+    expected = F.cross_entropy(part @ matrix.T, wanted, reduction="sum")
+    assert float(gpu_loss) == pytest.approx(float(expected), rel=1e-6) and float(expected) > 200
+    assert float(cpu_loss) == pytest.approx(float(expected), rel=1e-6)
+    torch.testing.assert_close(gpu_probabilities, cpu_probabilities)
+
+
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_weight_gradient_sums_every_chunk(compute_dtype, monkeypatch):
     """Ragged chunks: the first writes the weight's gradient, the others add to it, in either compute dtype."""

@@ -160,7 +160,7 @@ def test_packed_rows_take_the_gathered_path_with_no_mask_and_unpacked_rows_keep_
         masks.append(attention_mask)
         return real_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
-    monkeypatch.setattr(packed_attention, "plan_gather", lambda ids: plans.append(ids) or real_plan(ids))
+    monkeypatch.setattr(packed_attention, "plan_gather", lambda ids, **kw: plans.append(ids) or real_plan(ids, **kw))
     from transformers import AttentionInterface
 
     AttentionInterface.register(packed_attention.NAME, spy_forward)

@@ -14,6 +14,7 @@ import torch
 
 from tuneforge.data.batching import MicroBatch
 from tuneforge.model.packed_attention import NAME as PACKED_SDPA
+from tuneforge.model.packed_attention import cumulative_lengths
 
 
 def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
@@ -25,15 +26,29 @@ def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None, :, :]
 
 
-def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
-    inputs = {"input_ids": batch.input_ids.to(device), "position_ids": batch.position_ids.to(device)}
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU batch tensor on `device`. To a GPU through pinned memory without blocking: a plain copy from
+    pageable memory makes the host wait for the GPU's queue to drain."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> dict[str, torch.Tensor | int]:
+    inputs = {"input_ids": to_device(batch.input_ids, device), "position_ids": to_device(batch.position_ids, device)}
     if not batch.packed:
-        inputs["attention_mask"] = batch.attention_mask.to(device)
+        inputs["attention_mask"] = to_device(batch.attention_mask, device)
         return inputs
     implementation = getattr(model.config, "_attn_implementation", "eager") or "eager"
+    if implementation == PACKED_SDPA and device.type == "cuda":
+        # The varlen kernel's plan, from the CPU copy of the positions: nothing waits on the GPU for it.
+        cu_lengths, longest = cumulative_lengths(batch.position_ids)
+        cu_lengths = to_device(cu_lengths, device)
+        inputs |= {"cu_seq_lens_q": cu_lengths, "cu_seq_lens_k": cu_lengths}
+        inputs |= {"max_length_q": longest, "max_length_k": longest}
     if "flash" in implementation or implementation == PACKED_SDPA:
         return inputs  # both split the rows where position ids restart, with no mask built
-    mask = block_causal_mask(batch.sequence_ids.to(device))
+    mask = block_causal_mask(to_device(batch.sequence_ids, device))
     if implementation == "sdpa":
         inputs["attention_mask"] = mask
     else:

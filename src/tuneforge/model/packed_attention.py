@@ -13,21 +13,47 @@ backward: 0.14 s against 0.29 s masked and 0.30 s per sample).
 Calls that are not whole sequences (generation with a cache, a single query) or that come with a padding
 mask (unpacked rows: one sample each, nothing to split) go to the library's own SDPA unchanged. This is the
 documented extension point (`AttentionInterface.register`), not a change to any model's code.
+
+On CUDA the packed rows go to PyTorch's variable-length flash kernel (`torch.nn.attention.varlen`) instead:
+one call over all samples, with the cumulative lengths computed from the CPU copy of the position ids before
+the forward (`cumulative_lengths`, passed in as `cu_seq_lens_q`), so that nothing waits on the GPU. MLA's
+narrower values (DeepSeek-V2: q/k 192, v 128) are padded with zero columns and the output sliced. Where the
+kernel does not apply (fp32, dropout, head dims above 256) the gathered SDPA above runs with its batch
+lengths rounded up to a multiple of 128, so that shapes repeat, and every SDPA call on CUDA names its
+backends: flash or memory-efficient, never cuDNN, which builds a new plan for every new shape (95% of a
+step's time on an H200 with packed rows).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # PyTorch before 2.10
+    _varlen_attn = None
+
 NAME = "tuneforge_sdpa"
 """Registered name; the model config still says `sdpa` to the user (`model.attn_implementation`)."""
+
+CUDA_LENGTH_MULTIPLE = 128
+"""On CUDA the gathered batches' padded lengths are rounded up to this: a few shapes that repeat, not one new
+shape per call (kernels and allocator blocks are then reused)."""
+
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The SDPA backends allowed on CUDA, in order of preference: cuDNN is left out (see above)."""
 
 BUCKET_RATIO = 0.8
 """A sample joins a batch while its length is at least this fraction of the batch's longest: padded work
@@ -59,8 +85,19 @@ class GatherPlan:
     """For each token of the flattened rows, its slot: the position of its one real copy in `index`."""
 
 
-def plan_gather(position_ids: torch.Tensor, ratio: float = BUCKET_RATIO) -> GatherPlan:
-    """Group the batch's samples by length into right-padded batches; indices live on `position_ids`' device."""
+def cumulative_lengths(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cumulative lengths as int32, longest length) of the samples of the flattened rows, padding stretches
+    counted as samples of their own: the plan a variable-length kernel takes. Meant for the CPU copy of the
+    position ids, so that the GPU is never waited on for it."""
+    length = position_ids.size(1)
+    starts = [row * length + start for row, runs in enumerate(sample_spans(position_ids)) for start, _ in runs]
+    bounds = torch.tensor([*starts, position_ids.numel()], dtype=torch.int32)
+    return bounds, int((bounds[1:] - bounds[:-1]).max())
+
+
+def plan_gather(position_ids: torch.Tensor, ratio: float = BUCKET_RATIO, multiple: int = 1) -> GatherPlan:
+    """Group the batch's samples by length into right-padded batches, each padded to a multiple of
+    `multiple`; indices live on `position_ids`' device."""
     length = position_ids.size(1)
     spans = sample_spans(position_ids)
     # (length, flat start) of every sample, longest first.
@@ -75,7 +112,7 @@ def plan_gather(position_ids: torch.Tensor, ratio: float = BUCKET_RATIO) -> Gath
     for group in groups:
         lengths = torch.tensor([n for n, _ in group])
         starts = torch.tensor([s for _, s in group])
-        padded = int(lengths[0])
+        padded = -(-int(lengths[0]) // multiple) * multiple
         offsets = torch.arange(padded)
         # Padded slots repeat the sample's last token: finite inputs whose outputs are dropped.
         index = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
@@ -135,7 +172,8 @@ def _plan_for(position_ids: torch.Tensor, batch: int) -> GatherPlan:
     if cached is not None and cached[0] is position_ids and cached[1] == position_ids._version:
         return cached[2]
     # Positions shared by all rows (batch 1 in the model's own default) are expanded for planning only.
-    plan = plan_gather(position_ids.expand(batch, -1))
+    multiple = CUDA_LENGTH_MULTIPLE if position_ids.device.type == "cuda" else 1
+    plan = plan_gather(position_ids.expand(batch, -1), multiple=multiple)
     _last_plan = (position_ids, position_ids._version, plan)
     return plan
 
@@ -151,6 +189,129 @@ def _flat_tokens(states: torch.Tensor) -> torch.Tensor:
     """(batch, heads, length, dim) -> (batch x length, heads, dim)."""
     batch, heads, length, dim = states.shape
     return states.transpose(1, 2).reshape(batch * length, heads, dim)
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """Name the SDPA backends on CUDA (never cuDNN); leave the CPU's choice alone."""
+    return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def varlen_unsupported(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, device_type: str | None = None
+) -> str | None:
+    """Why the variable-length flash kernel cannot take this call; None when it can."""
+    if (device_type or query.device.type) != "cuda":
+        return "not on CUDA"
+    if _varlen_attn is None:
+        return "this PyTorch has no torch.nn.attention.varlen (2.10 or later)"
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return f"{str(query.dtype).removeprefix('torch.')} (the flash kernel takes float16 or bfloat16)"
+    if dropout > 0:
+        return "attention dropout"
+    width = query.size(-1)
+    if width > 256 or width % 8 or key.size(-1) != width or value.size(-1) > width:
+        return f"head dims q {width}, k {key.size(-1)}, v {value.size(-1)}"
+    return None
+
+
+VarlenKernel = Callable[..., torch.Tensor]
+
+
+def varlen_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_lengths: torch.Tensor,
+    longest: int,
+    scaling: float | None,
+    window: int | None,
+    kernel: VarlenKernel | None = None,
+) -> torch.Tensor:
+    """Causal attention within each sample of the flattened rows, in one variable-length call: (batch, heads,
+    length, dim) in, (batch, length, heads, value dim) out. `kernel` defaults to PyTorch's varlen_attn."""
+    batch, heads, length, width = query.shape
+    value_width = value.size(-1)
+    q, k, v = (_flat_tokens(states) for states in (query, key, value))
+    if value_width < width:  # zero columns add nothing to the output, and are sliced off after
+        v = F.pad(v, (0, width - value_width))
+    out = (kernel or _varlen_attn)(
+        q,
+        k,
+        v,
+        cu_lengths,
+        cu_lengths,
+        longest,
+        longest,
+        scale=scaling,
+        # (left, right) keys around each query: (-1, 0) causal; transformers' window W sees W - 1 keys back.
+        window_size=(-1 if window is None else window - 1, 0),
+        enable_gqa=heads != key.size(1),
+    )
+    return out[..., :value_width].reshape(batch, length, heads, value_width)
+
+
+@functools.cache
+def varlen_verified(device: torch.device, dtype: torch.dtype, width: int, value_width: int, gqa: bool) -> bool:
+    """One small comparison with the gathered SDPA per kind of call, before the kernel is trusted: a PyTorch
+    build whose kernel misbehaves falls back to SDPA with a warning rather than training on wrong attention."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads = 4, 2 if gqa else 4
+    position_ids = torch.cat([torch.arange(37), torch.arange(91)])[None, :]
+
+    def states(count: int, dim: int) -> torch.Tensor:
+        return torch.randn(1, count, 128, dim, generator=generator).to(device, dtype)
+
+    query, key, value = states(heads, width), states(kv_heads, width), states(kv_heads, value_width)
+    try:
+        cu_lengths, longest = cumulative_lengths(position_ids)
+        got = varlen_forward(query, key, value, cu_lengths.to(device), longest, None, None)
+        expected = gathered_sdpa(query, key, value, plan_gather(position_ids.to(device)), 0.0, None, None)
+        error = float((got.float() - expected.float()).abs().max())
+    except Exception as exc:  # any failure of the kernel on this build: fall back, say why
+        warnings.warn(f"varlen attention unavailable ({type(exc).__name__}: {exc}); packed rows use SDPA", stacklevel=2)
+        return False
+    if error > 2e-2:
+        warnings.warn(f"varlen attention differs from SDPA by {error:.3g} here; packed rows use SDPA", stacklevel=2)
+        return False
+    return True
+
+
+def gathered_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: GatherPlan,
+    dropout: float,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """The samples gathered by `plan` into a few causal SDPA calls: (batch, heads, length, dim) in, (batch,
+    length, heads, value dim) out."""
+    batch, heads, length, _ = query.shape
+    # One gather per tensor for all calls, split into per-call views (split's backward is a single cat).
+    sizes = [samples * padded for samples, padded in plan.batches]
+    split = [
+        _GatherSlots.apply(_flat_tokens(states), plan.index, plan.inverse).split(sizes)
+        for states in (query, key, value)
+    ]
+    outputs = []
+    with sdpa_backends(query.device):
+        for (samples, padded), *parts in zip(plan.batches, *split, strict=True):
+            q, k, v = (part.view(samples, padded, *part.shape[1:]).transpose(1, 2) for part in parts)
+            banded = window is not None and padded > window
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=_band_mask(padded, window, q.device) if banded else None,
+                dropout_p=dropout,
+                is_causal=not banded,
+                scale=scaling,
+                enable_gqa=heads != key.size(1),
+            )
+            outputs.append(out.transpose(1, 2).reshape(samples * padded, heads, value.size(-1)))
+    tokens = _ScatterTokens.apply(torch.cat(outputs), plan.inverse)
+    return tokens.view(batch, length, heads, value.size(-1))
 
 
 def packed_sdpa_forward(
@@ -172,33 +333,19 @@ def packed_sdpa_forward(
     # A padding mask (unpacked rows, left-padded generation) goes to the library's SDPA as it is: with
     # one sample per row there is nothing to split, and one call over the rows beats many small ones.
     if not whole or not causal or attention_mask is not None or kwargs.get("s_aux") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        with sdpa_backends(query.device):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     window = kwargs.get("sliding_window")
-    plan = _plan_for(position_ids, batch)
-    # One gather per tensor for all calls, split into per-call views (split's backward is a single cat).
-    sizes = [samples * padded for samples, padded in plan.batches]
-    split = [
-        _GatherSlots.apply(_flat_tokens(states), plan.index, plan.inverse).split(sizes)
-        for states in (query, key, value)
-    ]
     dropout = dropout if module.training else 0.0
-    outputs = []
-    for (samples, padded), *parts in zip(plan.batches, *split, strict=True):
-        q, k, v = (part.view(samples, padded, *part.shape[1:]).transpose(1, 2) for part in parts)
-        banded = window is not None and padded > window
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=_band_mask(padded, window, q.device) if banded else None,
-            dropout_p=dropout,
-            is_causal=not banded,
-            scale=scaling,
-            enable_gqa=heads != key.size(1),
-        )
-        outputs.append(out.transpose(1, 2).reshape(samples * padded, heads, value.size(-1)))
-    tokens = _ScatterTokens.apply(torch.cat(outputs), plan.inverse)
-    return tokens.view(batch, length, heads, value.size(-1)), None
+    cu_lengths = kwargs.get("cu_seq_lens_q")
+    if (
+        cu_lengths is not None
+        and varlen_unsupported(query, key, value, dropout) is None
+        and varlen_verified(query.device, query.dtype, query.size(-1), value.size(-1), heads != key.size(1))
+    ):
+        return varlen_forward(query, key, value, cu_lengths, kwargs["max_length_q"], scaling, window), None
+    plan = _plan_for(position_ids, batch)
+    return gathered_sdpa(query, key, value, plan, dropout, scaling, window), None
 
 
 _MASK_PARAMETERS = inspect.signature(sdpa_mask)

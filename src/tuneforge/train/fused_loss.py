@@ -29,6 +29,7 @@ class LinearCrossEntropySum(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        on_cpu = hidden.device.type == "cpu"
         # One fp32 logits buffer for every chunk: on CPU each fresh 32 MiB block costs its page faults again.
         buffer = torch.empty((chunk, vocab), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -38,7 +39,7 @@ class LinearCrossEntropySum(torch.autograd.Function):
                 part = hidden[start:stop].to(compute_dtype)
                 wanted = targets[start:stop]
                 logits = _product_into(buffer[: stop - start], part, matrix.T)
-                probabilities, loss = _softmax_and_loss(logits, wanted, part, matrix)
+                probabilities, loss = _softmax_and_loss(logits, wanted, part, matrix, overwrite=on_cpu)
                 total += loss
                 if not (need_hidden or need_weight):
                     continue
@@ -78,14 +79,18 @@ def _product_into(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor) ->
 
 
 def _softmax_and_loss(
-    logits: torch.Tensor, wanted: torch.Tensor, part: torch.Tensor, matrix: torch.Tensor
+    logits: torch.Tensor, wanted: torch.Tensor, part: torch.Tensor, matrix: torch.Tensor, overwrite: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(logits) in one fused pass, and the sum over rows of -log of the target's probability. On CPU
-    the probabilities overwrite the logits (a fresh output there costs page faults; elsewhere the kernel
-    writes a new tensor: in-place use is relied on only where it is tested). Rows whose target probability
-    underflows (a loss above about 69) get the exact log-sum-exp of their logits, recomputed: they are rare,
-    and on CPU their logits are gone."""
-    probabilities = torch.softmax(logits, dim=-1, out=logits if logits.device.type == "cpu" else None)
+    """softmax(logits), and the sum over rows of the cross-entropy. With `overwrite` (on CPU, where a fresh
+    output costs page faults) the probabilities overwrite the logits in one fused pass and the loss is -log of
+    the target's probability; rows where that underflows (a loss above about 69) get the exact log-sum-exp of
+    their logits, recomputed: they are rare. Without it (GPUs) the loss is log-sum-exp minus the target's
+    logit for every row, with no branch on the data."""
+    if not overwrite:
+        # Exact log-sum-exp for every row, no data-dependent branch (a host sync per chunk on a GPU).
+        losses = torch.logsumexp(logits, -1) - logits.gather(1, wanted[:, None]).squeeze(1)
+        return torch.softmax(logits, dim=-1), losses.sum()
+    probabilities = torch.softmax(logits, dim=-1, out=logits)
     target_probability = probabilities.gather(1, wanted[:, None]).squeeze(1)
     losses = -torch.log(target_probability)
     tiny = target_probability < 1e-30

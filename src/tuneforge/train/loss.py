@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.templates import IGNORE_INDEX
-from tuneforge.model.attention import model_inputs
+from tuneforge.model.attention import model_inputs, to_device
 from tuneforge.train.fused_loss import linear_cross_entropy_sum, plain_output_layer
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,7 +36,7 @@ def loss_sum(
     so the loss may apply it to the labelled tokens itself."""
     plain = plain if plain is not None else model
     device = next(plain.parameters()).device
-    targets = batch.targets.to(device)
+    targets = to_device(batch.targets, device)
     inputs = model_inputs(plain, batch, device)
     head = fused_output_layer(plain) if fuse else None
     with autocast(precision, device):
@@ -55,8 +55,11 @@ def loss_sum(
     weight = head.weight  # read after the forward: FSDP2 has gathered the root's parameters by now
     if isinstance(weight, DTensor):
         raise RuntimeError("the output layer's weight is still sharded after the forward; the fused loss needs it")
-    selected = targets != IGNORE_INDEX
-    return linear_cross_entropy_sum(outputs.hidden_states[-1][selected], weight, targets[selected], compute_dtype)
+    # The labelled positions, found on the CPU copy of the targets: a boolean index on the GPU would wait for it.
+    selected = to_device((batch.targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1), device)
+    hidden = outputs.hidden_states[-1]
+    hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, selected)
+    return linear_cross_entropy_sum(hidden, weight, targets.reshape(-1).index_select(0, selected), compute_dtype)
 
 
 def fused_output_layer(plain: torch.nn.Module) -> torch.nn.Linear | None:

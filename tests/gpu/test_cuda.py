@@ -1,0 +1,90 @@
+"""CUDA-only checks of the GPU hot path (skipped without a GPU; `make gpu-test` runs them): PyTorch's varlen
+kernel equals masked SDPA for packed rows, packed equals unpacked, the fused loss equals the logits path, and a
+micro-step makes no host synchronisation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tuneforge.data.batching import collate
+from tuneforge.model import packed_attention
+from tuneforge.model.packed_attention import cumulative_lengths
+from tuneforge.train.loss import loss_sum
+
+from conftest import chat, rows_batch, tiny_llama, tokenized
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+RECORDS = [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("c" * 12, "mid reply")]
+
+
+@pytest.mark.parametrize(("kv_heads", "width", "value_width"), [(16, 128, 128), (4, 128, 128), (16, 192, 128)])
+def test_varlen_attention_equals_block_diagonal_sdpa_in_bf16(kv_heads, width, value_width):
+    torch.manual_seed(0)
+    lengths = [[700, 1200, 148], [2048], [37, 1500, 9]]
+    position_ids = torch.cat([torch.cat([torch.arange(n) for n in row]) for row in lengths]).view(len(lengths), -1)
+    length = position_ids.size(1)
+    shapes = [(3, 16, length, width), (3, kv_heads, length, width), (3, kv_heads, length, value_width)]
+    inputs = [torch.randn(shape, device=CUDA, dtype=torch.bfloat16, requires_grad=True) for shape in shapes]
+    bounds, longest = cumulative_lengths(position_ids)
+    module = torch.nn.Module()
+    module.is_causal, module.training = True, True
+    ours, _ = packed_attention.packed_sdpa_forward(
+        module, *inputs, None, position_ids=position_ids.to(CUDA), cu_seq_lens_q=bounds.to(CUDA),
+        max_length_q=longest,
+    )  # fmt: skip
+    same_sample = torch.zeros(3, 1, length, length, dtype=torch.bool, device=CUDA)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for n in row_lengths:
+            same_sample[row, 0, start : start + n, start : start + n] = True
+            start += n
+    mask = same_sample & torch.ones(length, length, dtype=torch.bool, device=CUDA).tril()
+    q, k, v = (t.float() for t in inputs)
+    groups = 16 // kv_heads
+    expected = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask
+    ).transpose(1, 2)
+    torch.testing.assert_close(ours.float(), expected, atol=2e-2, rtol=2e-2)
+    weights = torch.randn_like(expected)
+    for mine, theirs in zip(
+        torch.autograd.grad((ours.float() * weights).sum(), inputs),
+        torch.autograd.grad((expected * weights).sum(), inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(mine.float(), theirs.float(), atol=5e-2, rtol=5e-2)
+
+
+def bf16_llama(tokenizer):
+    model = tiny_llama(tokenizer).to(CUDA, torch.bfloat16)
+    model.config._attn_implementation = packed_attention.register()
+    return model
+
+
+def test_packed_rows_give_the_unpacked_loss_on_cuda(tokenizer):
+    model, data = bf16_llama(tokenizer), tokenized(tokenizer, RECORDS)
+    packed = loss_sum(model, collate(data, [[0, 1, 2]], tokenizer.pad_token_id, packed=True), "bf16")
+    unpacked = loss_sum(model, rows_batch(data, [0, 1, 2], tokenizer.pad_token_id), "bf16")
+    assert float(packed) == pytest.approx(float(unpacked), rel=2e-2)
+
+
+def test_the_fused_loss_equals_the_logits_path_on_cuda(tokenizer):
+    model, data = bf16_llama(tokenizer), tokenized(tokenizer, RECORDS)
+    batch = rows_batch(data, [0, 1, 2], tokenizer.pad_token_id)
+    fused = loss_sum(model, batch, "bf16", fuse=True)
+    plain = loss_sum(model, batch, "bf16", fuse=False)
+    assert float(fused) == pytest.approx(float(plain), rel=1e-2)
+
+
+def test_a_packed_micro_step_makes_no_host_synchronisation(tokenizer):
+    model, data = bf16_llama(tokenizer), tokenized(tokenizer, RECORDS)
+    batch = collate(data, [[0, 1, 2]], tokenizer.pad_token_id, packed=True)
+    loss_sum(model, batch, "bf16").backward()  # warm-up: allocations and the varlen self-check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss_sum(model, batch, "bf16").backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
