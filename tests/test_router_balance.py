@@ -61,7 +61,7 @@ def test_recorded_router_logits_are_the_models_own(tokenizer):
         out = model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_router_logits=True, use_cache=False
         )
-    ours = balance.loss(batch.attention_mask, batch.num_targets, batch.num_targets, lambda values: values)
+    ours = balance.loss(batch.attention_mask, batch.num_targets, batch.num_targets, lambda tensor: tensor)
     theirs = balance_loss(list(out.router_logits), 2, batch.attention_mask)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
 

@@ -128,6 +128,13 @@ class Engine(abc.ABC):
         """Element-wise sums over all ranks (token counts, loss sums), in one collective."""
         return all_reduce_sum(values, self.info) if self.info.distributed else list(values)
 
+    def sum_tensor_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise sums over all ranks of a tensor on this rank's device, in place and without a host
+        round trip (the router loss's per-micro-batch statistics)."""
+        if self.info.distributed:
+            torch.distributed.all_reduce(tensor)
+        return tensor
+
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         """Context of one micro-batch's forward and backward; gradients are synchronised only when `last`."""
         return contextlib.nullcontext()

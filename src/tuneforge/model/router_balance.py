@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tuneforge.errors import UserError
+from tuneforge.model.attention import to_device
 from tuneforge.model.moe import MoEMap
 
 DEFAULT_COEF = 0.001
@@ -92,7 +93,7 @@ class RouterBalance:
         token_mask: torch.Tensor,
         num_targets: int,
         total_targets: float,
-        sum_across_ranks: Callable[[list[float]], list[float]],
+        sum_across_ranks: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """This rank's part of the balance loss of the global micro-batch (this micro-batch on every rank),
         weighted by that micro-batch's share of the step's target tokens. Routing counts and token counts are
@@ -101,14 +102,17 @@ class RouterBalance:
         logits, self._logits = self._logits, []
         if not logits:
             raise RuntimeError("no router logits were recorded in this forward pass")
-        weights = token_mask.reshape(-1).float()
+        device = logits[0][0].device
+        # The mask and its count come from the CPU batch; the sums stay on the device (no host round trip).
+        weights = to_device(token_mask.reshape(-1).float(), device)
         stats = [routing_stats(layer, self.top_k, weights, chosen) for layer, chosen in logits]
         counts = torch.stack([c for c, _ in stats])
         prob_sums = torch.stack([p for _, p in stats])
-        summed = sum_across_ranks([*counts.flatten().tolist(), float(weights.sum()), float(num_targets)])
-        global_counts = torch.tensor(summed[:-2], dtype=counts.dtype, device=counts.device).view_as(counts)
-        real_tokens, micro_targets = max(summed[-2], 1.0), summed[-1]
-        return combine(global_counts, prob_sums, real_tokens) * (micro_targets / total_targets)
+        totals = to_device(torch.tensor([float(token_mask.sum()), float(num_targets)], dtype=torch.float64), device)
+        summed = sum_across_ranks(torch.cat([counts.flatten().double(), totals]))
+        global_counts = summed[:-2].to(counts.dtype).view_as(counts)
+        real_tokens = summed[-2].clamp(min=1.0).float()
+        return combine(global_counts, prob_sums, real_tokens) * (summed[-1].float() / total_targets)
 
     def remove(self) -> None:
         for handle in self._handles:

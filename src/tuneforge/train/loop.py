@@ -85,7 +85,9 @@ def accumulate_gradients(
                 loss = loss_sum(engine.model, batch, precision, engine.unwrapped, fuse) / total_targets
             objective = loss
             if balance is not None:
-                aux = balance.loss(batch.attention_mask, batch.num_targets, total_targets, engine.sum_across_ranks)
+                aux = balance.loss(
+                    batch.attention_mask, batch.num_targets, total_targets, engine.sum_tensor_across_ranks
+                )
                 objective = loss + balance.coef * aux
                 aux_total = aux_total + aux.detach()
             engine.backward(objective)
