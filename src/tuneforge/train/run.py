@@ -228,7 +228,8 @@ def setup(
         def steps_from(start_step: int) -> StepGroups:
             return injector.wrap_steps(plain_steps(start_step), start_step)
 
-    RECORDER.track_modules(engine.unwrapped)
+    if info.distributed:  # the module names label collectives; one process has none, and the hooks cost time
+        RECORDER.track_modules(engine.unwrapped)
     return RunParts(
         cfg=cfg,
         work_dir=work_dir,
