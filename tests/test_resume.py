@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from tuneforge.diagnostics.live import last_report
+
 from conftest import ENGINES, TINY_LLAMA, TUNEFORGE, chat, launch, metrics, write_jsonl
 
 CONFIG = (
@@ -93,6 +95,8 @@ def test_a_stop_signal_ends_the_step_saves_it_and_says_how_to_resume(job, uninte
     assert f"resume with: tuneforge train {job / 'cfg.yaml'} --work-dir {job / 'run'} --resume auto" in stopped.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2", "step-3"]
     assert [s for s, _ in losses(job / "run")] == [1, 2, 3]
+    diagnosis = last_report(job / "run")  # what `tuneforge diagnose` prints
+    assert diagnosis.startswith(f"tuneforge diagnosis: no hang: the ranks stopped by {received} after step 3 of 7")
     if received == "SIGTERM":
         resumed = train(job, "run", "--resume", "auto")
         assert resumed.returncode == 0, resumed.stderr[-3000:]

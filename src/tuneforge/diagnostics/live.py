@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tuneforge.diagnostics.report import REPORT, build_report
 from tuneforge.errors import UserError
-from tuneforge.watchdog import read_json
+from tuneforge.watchdog import STOPPED, read_json
 
 
 def _world_size(diagnostics: Path) -> int:
@@ -26,6 +26,9 @@ def last_report(work_dir: Path) -> str:
         return (diagnostics / REPORT).read_text().rstrip()
     if not diagnostics.exists():
         raise UserError(f"{work_dir}: no diagnostics/ directory; pass the work dir of a tuneforge train run")
+    if (diagnostics / STOPPED).exists():
+        stopped = (diagnostics / STOPPED).read_text().strip()
+        return f"tuneforge diagnosis: no hang: the ranks {stopped}; continue with --resume auto"
     world_size = _world_size(diagnostics)
     beats = [read_json(diagnostics / "live" / f"rank-{rank}.json") for rank in range(world_size)]
     if all(beat is not None and beat.get("finished") for beat in beats):
