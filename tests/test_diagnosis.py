@@ -108,3 +108,18 @@ def test_an_abort_is_a_consequence_a_sigkill_is_the_cause():
     )
     killed = diagnose({0: rank0, 1: rank1}, {0: "killed by SIGKILL"})
     assert killed.cause.key == "killed" and killed.diverged == [0]
+
+
+def test_an_abort_whose_heartbeat_ends_before_the_ranks_part_still_names_the_experts():
+    """A rank that aborted published its collectives up to its last heartbeat, here before anything differs;
+    the survivor's record shows collectives issued inside the experts: the MoE cause, the abort its
+    consequence (the legacy-MoE hang under ZeRO-3 without leaf modules, as gloo ends it)."""
+    shared = [gather(1, "layers.0.attn"), gather(2, "layers.0.moe.gate")]
+    rank0 = state(0, shared)  # a heartbeat: no "reason"
+    rank1 = state(1, [*shared, gather(3, "layers.0.moe.experts.3.up"), gather(4, "layers.1.attn")], reason="error")
+    found = diagnose({0: rank0, 1: rank1}, {0: "died of SIGABRT"})
+    assert found.cause.key == "moe"
+    assert any("experts.3.up" in line and "collectives of their own" in line for line in found.detail)
+    assert any(line.startswith("rank 0 died of SIGABRT (a consequence") for line in found.detail)
+    without_experts = state(1, [*shared, gather(3, "layers.1.attn")], reason="error")
+    assert diagnose({0: rank0, 1: without_experts}, {0: "died of SIGABRT"}).cause.key == "aborted"

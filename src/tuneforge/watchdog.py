@@ -43,9 +43,6 @@ STOPPED = "stopped.txt"
 SAME_STOP_S = 2.0
 """A stop signal within this time of the first is the same request delivered twice (a terminal's Ctrl-C reaches
 every process, and torchrun forwards it to its workers again); a later one stops at once."""
-STUCK_S = 1.0
-"""A rank asked to stop that waits this long in a collective while a peer's heartbeat has stopped waits for a
-rank that is gone: it is dumped and stopped at once instead of waiting for a step end that never comes."""
 TRAINING_PHASES = ("data", "forward/backward", "optimizer")
 SLOW_PHASES = ("save", "model", "startup")
 """Phases that may legitimately take long (writing a large checkpoint, loading weights): the start-up limit."""
@@ -304,8 +301,8 @@ class StallWatchdog:
                 self._terminate(
                     received, "the launcher stops every rank when one fails" if number == signal.SIGTERM else ""
                 )
-            elif self._waiting_for_a_gone_peer():
-                self._terminate(received, "while waiting in a collective for a rank that is gone")
+            elif self._a_peer_is_gone():
+                self._terminate(received, "a rank is gone, so the ranks cannot agree on a step to stop at")
             elif not self.request_stop(received):
                 self._terminate(received, "a second time: stopping at once, without a checkpoint")
 
@@ -323,8 +320,8 @@ class StallWatchdog:
                 file=sys.stderr,
                 flush=True,
             )
-        if self._waiting_for_a_gone_peer():
-            self._terminate(self.stop_signal, "while waiting in a collective for a rank that is gone")
+        if self._a_peer_is_gone():
+            self._terminate(self.stop_signal, "a rank is gone, so the ranks cannot agree on a step to stop at")
         waited = time.monotonic() - self.stop_requested_at
         if waited > self.stop_grace_s:
             self._terminate(
@@ -333,9 +330,11 @@ class StallWatchdog:
                 "a checkpoint",
             )
 
-    def _waiting_for_a_gone_peer(self) -> bool:
-        waiting = self.recorder.in_flight
-        if self.world_size == 1 or waiting is None or time.time() - waiting.started < STUCK_S:
+    def _a_peer_is_gone(self) -> bool:
+        """A rank that exited or stopped publishing its heartbeat: the agreement a graceful stop needs (every
+        rank's vote in one all-reduce) can no longer happen. A rank blocked in a collective or an async handle's
+        wait still publishes (the monitor thread writes it), so a slow peer is not taken for a gone one."""
+        if self.world_size == 1:
             return False
         now = time.time()
         peers = self.peers()

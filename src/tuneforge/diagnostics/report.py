@@ -284,6 +284,21 @@ def diagnose(states: dict[int, dict], missing: dict[int, str]) -> Diagnosis:
     found = _diagnose_program(states)
     if missing and found.cause.key in ("same_collective", "stuck"):
         fatal = sorted(r for r, how in missing.items() if how.startswith("died of"))
+        # A rank that aborted published its collectives up to its last heartbeat only, which can end before
+        # the ranks parted; experts that issued collectives of their own anywhere still name the MoE cause.
+        everything = {r: {c["seq"]: c for c in st.get("collectives", [])} for r, st in states.items()}
+        expert_collective = _first_expert_collective(everything)
+        if fatal and expert_collective is not None:
+            rank, record = expert_collective
+            detail = [
+                f"the experts issue collectives of their own (rank {rank}: {_describe_record(record)}, "
+                f"#{record['seq']}), so each rank's sequence follows its own tokens' choice of experts",
+                *(
+                    f"{line} (a consequence: gloo and NCCL abort a rank whose collectives do not pair up)"
+                    for line in died
+                ),
+            ]
+            return Diagnosis(CAUSES["moe"], [], detail)
         return Diagnosis(CAUSES["aborted" if fatal else "killed"], fatal or sorted(missing), died)
     found.detail.extend(f"{line} (a consequence)" for line in died)
     return found
