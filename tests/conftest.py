@@ -65,6 +65,28 @@ def launch(
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def train_here(config: Path, work_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
+    """`tuneforge train` in this process, through the same `main()` as the command: for one-process runs that
+    are not killed, without the seconds each new process spends importing torch and transformers."""
+    import contextlib
+    import io
+
+    from tuneforge.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    previous = os.environ.get("TUNEFORGE_INJECT_FAULT")
+    os.environ["TUNEFORGE_INJECT_FAULT"] = fault
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["train", str(config), "--work-dir", str(work_dir), *extra])
+    finally:
+        if previous is None:
+            del os.environ["TUNEFORGE_INJECT_FAULT"]
+        else:
+            os.environ["TUNEFORGE_INJECT_FAULT"] = previous
+    return subprocess.CompletedProcess(["tuneforge", "train"], code, out.getvalue(), err.getvalue())
+
+
 def metrics(work_dir: Path) -> list[dict]:
     """The records of a run's `metrics.jsonl`."""
     return [json.loads(line) for line in (work_dir / "metrics.jsonl").open()]

@@ -72,23 +72,22 @@ def test_samples_and_accuracy_are_reported(demo_run):
     assert printed and float(printed.group(1)) == pytest.approx(result["accuracy"], abs=5e-4)
 
 
-def test_chat_answers_from_the_checkpoint_like_the_final_sample(demo_run):
+def test_chat_answers_from_the_checkpoint_like_the_final_sample(demo_run, capsys):
+    from tuneforge.cli import main
+
     work_dir, _, _ = demo_run
-    result = subprocess.run(
-        [TUNEFORGE, "chat", str(work_dir / "checkpoints" / "final"), "--prompt", PROMPT, "--max-new-tokens", "24"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    final = str(work_dir / "checkpoints" / "final")
+    assert main(["chat", final, "--prompt", PROMPT, "--max-new-tokens", "24"]) == 0
+    reply = capsys.readouterr().out.strip()
     final_sample = next(
         s for s in map(json.loads, (work_dir / "samples.jsonl").open()) if s["step"] == 40 and s["prompt"] == PROMPT
     )
-    assert result.stdout.strip() == final_sample["reply"].strip()
-    assert result.stdout.strip()
+    assert reply == final_sample["reply"].strip()
+    assert reply
 
 
-def test_chat_on_a_directory_without_a_model_says_so(tmp_path):
-    result = subprocess.run([TUNEFORGE, "chat", str(tmp_path), "--prompt", "hi"], capture_output=True, text=True)
-    assert result.returncode == 2
-    assert result.stderr.strip().startswith(f"error: {tmp_path}: not a model checkpoint")
+def test_chat_on_a_directory_without_a_model_says_so(tmp_path, capsys):
+    from tuneforge.cli import main
+
+    assert main(["chat", str(tmp_path), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {tmp_path}: not a model checkpoint")

@@ -11,7 +11,7 @@ import torch
 
 from tuneforge.engines.loss_scale import LossScaler
 
-from conftest import TINY_LLAMA, chat, launch, metrics, write_jsonl
+from conftest import TINY_LLAMA, chat, launch, metrics, train_here, write_jsonl
 
 CONFIG = (
     TINY_LLAMA
@@ -24,7 +24,12 @@ log: {progress: lines}
 )
 
 
-def train(tmp_path, name: str, *overrides: str, ranks: int = 1, fault: str = "") -> subprocess.CompletedProcess:
+def train(
+    tmp_path, name: str, *overrides: str, ranks: int = 1, fault: str = "", here: bool = False
+) -> subprocess.CompletedProcess:
+    """Through the launcher; `here`: in this process (runs compared only with runs made the same way)."""
+    if here:
+        return train_here(tmp_path / "cfg.yaml", tmp_path / name, *overrides, fault=fault)
     return launch(tmp_path / "cfg.yaml", tmp_path / name, *overrides, ranks=ranks, fault=fault)
 
 
@@ -54,7 +59,7 @@ def test_scaler_halves_on_overflow_and_doubles_after_a_clean_window():
 
 def test_overflowing_steps_are_skipped_counted_and_the_scale_found(job):
     # 2^24 overflows this model's fp16 gradients; each overflow halves the scale until the gradients fit.
-    result = train(job, "run", "train.initial_loss_scale=16777216")
+    result = train(job, "run", "train.initial_loss_scale=16777216", here=True)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = metrics(job / "run")
     overflowed = [r for r in steps if r.get("overflow")]
@@ -72,8 +77,8 @@ def test_overflowing_steps_are_skipped_counted_and_the_scale_found(job):
 
 def test_gradients_are_unscaled_before_the_norm(job):
     """The reported norm (and so clipping) is that of the true gradients: fp16 matches fp32 closely."""
-    assert train(job, "fp32", "train.precision=fp32", "train.max_steps=3").returncode == 0
-    result = train(job, "fp16", "train.max_steps=3")
+    assert train(job, "fp32", "train.precision=fp32", "train.max_steps=3", here=True).returncode == 0
+    result = train(job, "fp16", "train.max_steps=3", here=True)
     assert result.returncode == 0, result.stderr[-3000:]
     reference, half = metrics(job / "fp32"), metrics(job / "fp16")
     assert all("overflow" not in r for r in half)

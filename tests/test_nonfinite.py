@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 
-from conftest import TINY_LLAMA, chat, launch, metrics, write_jsonl
+from conftest import TINY_LLAMA, chat, launch, metrics, train_here, write_jsonl
 
 CONFIG = (
     TINY_LLAMA
@@ -22,6 +22,8 @@ def run(tmp_path, name: str, fault: str, *extra: str, ranks: int = 1) -> subproc
     write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(12)])
     (tmp_path / "cfg.yaml").write_text(CONFIG)
     engine = ["parallel.engine=ddp"] if ranks > 1 else []
+    if ranks == 1:
+        return train_here(tmp_path / "cfg.yaml", tmp_path / name, *extra, fault=fault)
     return launch(tmp_path / "cfg.yaml", tmp_path / name, *extra, *engine, ranks=ranks, fault=fault)
 
 

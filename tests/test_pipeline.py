@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -205,23 +203,23 @@ def test_planners_of_two_ranks_see_the_global_batches_of_one(tokenizer):
         assert whole == first + second
 
 
-def test_data_check_and_preview_through_the_cli(tmp_path):
+def test_data_check_and_preview_through_the_cli(tmp_path, capsys):
+    from tuneforge.cli import main
+
     path = write_jsonl(tmp_path / "d.jsonl", [chat("Convert #000000 to RGB.", "(0, 0, 0)"), {"messages": []}])
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(
         f"model: {{architecture: llama, tokenizer: bytes}}\ndata: {{train_files: [{path}], cache_dir: null}}\n"
     )
-    tool = str(Path(sys.executable).parent / "tuneforge")
-    check = subprocess.run([tool, "data", "check", str(cfg)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stderr
-    assert "2 records read from 1 source(s); 1 kept, 1 dropped" in check.stdout
-    assert f"dropped 1 x empty conversation, e.g. {path}:2" in check.stdout
-    preview = subprocess.run([tool, "data", "preview", str(cfg), "-n", "1"], capture_output=True, text=True)
-    assert preview.returncode == 0, preview.stderr
-    assert "[[(0, 0, 0)</s>]]" in preview.stdout
-    empty = subprocess.run([tool, "data", "check", str(cfg), "data.max_length=5"], capture_output=True, text=True)
-    assert empty.returncode == 1
-    assert f"error: data: all 2 records of {path} were dropped, for the reasons listed above" in empty.stderr
+    assert main(["data", "check", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "2 records read from 1 source(s); 1 kept, 1 dropped" in out
+    assert f"dropped 1 x empty conversation, e.g. {path}:2" in out
+    assert main(["data", "preview", str(cfg), "-n", "1"]) == 0
+    assert "[[(0, 0, 0)</s>]]" in capsys.readouterr().out
+    assert main(["data", "check", str(cfg), "data.max_length=5"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: data: all 2 records of {path} were dropped, for the reasons listed above" in err
 
 
 def test_tokenized_helper_matches_pipeline(tmp_path, tokenizer):

@@ -9,7 +9,7 @@ import pytest
 
 from tuneforge.diagnostics.live import last_report
 
-from conftest import ENGINES, TINY_LLAMA, TUNEFORGE, chat, launch, metrics, write_jsonl
+from conftest import ENGINES, TINY_LLAMA, TUNEFORGE, chat, launch, metrics, train_here, write_jsonl
 
 CONFIG = (
     TINY_LLAMA
@@ -106,8 +106,8 @@ def test_a_stop_signal_ends_the_step_saves_it_and_says_how_to_resume(job, uninte
 
 def test_resume_refuses_another_world_size(job):
     (job / "cfg.yaml").write_text(CONFIG)
-    assert train(job, "run", "train.max_steps=2").returncode == 0
-    other = train(job, "run", "train.micro_batch_size=1", "--resume", "auto")
+    assert train_here(job / "cfg.yaml", job / "run", "train.max_steps=2").returncode == 0
+    other = train_here(job / "cfg.yaml", job / "run", "train.micro_batch_size=1", "--resume", "auto")
     assert other.returncode == 2
     assert "micro-batch 2 and accumulation 2; this run has 1, single, 1 and 2" in other.stderr
 
@@ -189,7 +189,7 @@ def test_quantized_bases_killed_and_resumed_equal_uninterrupted(job, architectur
     assert losses(job / "run") == losses(job / "whole")
     if ranks > 1:
         # The same global batch in one process: only the summation order differs.
-        one = train(job, "one", "train.micro_batch_size=4")
+        one = train_here(job / "cfg.yaml", job / "one", "train.micro_batch_size=4")
         assert one.returncode == 0, one.stderr[-3000:]
         assert [loss for _, loss in losses(job / "whole")] == pytest.approx(
             [loss for _, loss in losses(job / "one")], abs=1e-5

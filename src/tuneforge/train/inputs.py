@@ -7,6 +7,7 @@ that is not cached, opens one connection to the hub with a short timeout); nothi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -127,19 +128,20 @@ def _context_problems(cfg: Config) -> list[str]:
 
 
 def model_context(model: ModelConfig) -> int | None:
-    """The model's `max_position_embeddings` from its config alone (None when it cannot be read here)."""
-    from transformers import AutoConfig
-
-    try:
-        if model.architecture is not None:
-            config = AutoConfig.for_model(model.architecture, **model.size)
-        elif model.path is not None and Path(model.path).is_dir():
-            config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-        else:
+    """The model's `max_position_embeddings` from its `config.json` or the size given for a fresh model; None
+    when neither says (a fresh model then has its architecture's default). Read as plain JSON: the launcher
+    checks inputs before it starts the workers, and importing `transformers` for this would delay them."""
+    if model.architecture is not None:
+        value = model.size.get("max_position_embeddings")
+    elif model.path is not None and (Path(model.path) / "config.json").is_file():
+        try:
+            config = json.loads((Path(model.path) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
             return None
-    except (OSError, ValueError, KeyError):
+        value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    else:
         return None
-    return getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) else None
 
 
 def checkpoint_bytes(total: int, trainable: int, weight_bytes: int, adapter: bool) -> int:
