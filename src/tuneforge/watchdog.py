@@ -345,8 +345,13 @@ class StallWatchdog:
     def _terminate(self, received: signal.Signals, why: str) -> None:
         detail = f"stopped by {received.name}" + (f" ({why})" if why else "")
         self.dump("terminated", detail)
-        if self.rank == 0 and self.graceful:
-            print(f"tuneforge: {detail}; --resume auto continues from the newest checkpoint", file=sys.stderr)
+        if self.rank == 0:
+            where = f"step {self.step}" if self.step else f"phase {self.phase}, before the first step"
+            print(
+                f"tuneforge: {detail}, at {where}; --resume auto continues from the newest step checkpoint, if any",
+                file=sys.stderr,
+                flush=True,
+            )
         self._terminated.set()
         os._exit(128 + received)
 
