@@ -112,12 +112,7 @@ def test_a_rank_killed_with_sigkill_then_diagnose_prints_the_report_again_and_du
 
     # A live job: rank 1 sleeps 8 s loading data at step 2 (under the 20 s limit); rank 0 waits in an all-reduce.
     live = tmp_path / "live"
-    write_jsonl(live / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
-    (live / "cfg.yaml").write_text(CONFIG.format(engine="ddp").replace("stall_timeout_s: 4", "stall_timeout_s: 20"))
-    command = [TUNEFORGE, "train", str(live / "cfg.yaml"), "--work-dir", str(live / "run")]
-    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
-    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": "sleep_data:1:2:8"}
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    job = start_with_a_straggler(live, stall_timeout_s=20, sleep_s=8)
     # Ask once rank 1's heartbeat says it loads step 2 and rank 0's that it waits in a collective of step 2.
     heartbeats = live / "run" / "diagnostics" / "live"
     wait_for_heartbeat(heartbeats / "rank-1.json", lambda beat: beat["step"] == 2 and beat["phase"] == "data")
@@ -134,12 +129,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_a_step_end_with_a_checkpoin
     """How SLURM and Kubernetes stop a job: SIGTERM to the launcher, which passes it on to the ranks. Rank 1 is
     loading step 2's data (slowly), rank 0 waits for it in a collective: neither is stuck, so both finish step 2,
     save it and exit with 143 and the resume command; no hang is diagnosed."""
-    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
-    (tmp_path / "cfg.yaml").write_text(CONFIG.format(engine="ddp").replace("stall_timeout_s: 4", "stall_timeout_s: 30"))
-    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / "run")]
-    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
-    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": "sleep_data:1:2:6"}
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    job = start_with_a_straggler(tmp_path, stall_timeout_s=30, sleep_s=6)
     heartbeats = tmp_path / "run" / "diagnostics" / "live"
     wait_for_heartbeat(heartbeats / "rank-1.json", lambda beat: beat["step"] == 2 and beat["phase"] == "data")
     job.send_signal(signal.SIGTERM)
@@ -149,6 +139,17 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_a_step_end_with_a_checkpoin
     assert "tuneforge: stopped by SIGTERM after step 2 of 4; checkpoint " in err and "--resume auto" in err
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "model.safetensors").exists()
     assert not (tmp_path / "run" / "diagnostics" / "report.txt").exists() and "diagnosis" not in err
+
+
+def start_with_a_straggler(directory, stall_timeout_s: float, sleep_s: float) -> subprocess.Popen:
+    """A 2-rank DDP job in the background whose rank 1 sleeps `sleep_s` loading step 2's data."""
+    write_jsonl(directory / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
+    config = CONFIG.format(engine="ddp").replace("stall_timeout_s: 4", f"stall_timeout_s: {stall_timeout_s:g}")
+    (directory / "cfg.yaml").write_text(config)
+    command = [TUNEFORGE, "train", str(directory / "cfg.yaml"), "--work-dir", str(directory / "run")]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": f"sleep_data:1:2:{sleep_s:g}"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def wait_for_heartbeat(path, ready, timeout_s: float = 60) -> None:
