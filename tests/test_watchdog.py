@@ -51,3 +51,35 @@ def test_no_report_while_progress_continues(tmp_path):
     result = run_script(tmp_path, script)
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "stacks-rank-0.txt").exists() and not (tmp_path / "report.txt").exists()
+
+
+def test_a_stop_signal_delivered_twice_at_once_is_one_request_and_a_later_one_a_second(tmp_path):
+    """A terminal's Ctrl-C reaches every process and torchrun forwards it again: one request. A signal sent
+    later means "now": request_stop says so and the caller stops at once."""
+    import signal
+
+    from tuneforge.watchdog import SAME_STOP_S, StallWatchdog
+
+    dog = StallWatchdog(tmp_path, startup_timeout_s=30, stall_timeout_s=None)
+    assert dog.request_stop(signal.SIGINT) and dog.stop_signal == signal.SIGINT
+    assert dog.request_stop(signal.SIGINT) and dog.request_stop(signal.SIGTERM)
+    assert dog.stop_signal == signal.SIGINT  # the first one names the stop
+    dog.stop_requested_at -= SAME_STOP_S + 1
+    assert not dog.request_stop(signal.SIGTERM)
+
+
+def test_a_peer_is_gone_when_its_heartbeat_is_missing_stale_or_finished(tmp_path):
+    """What ends a graceful stop's wait at once: the ranks can no longer all vote on a step to stop at."""
+    import json
+    import time
+
+    from tuneforge.watchdog import StallWatchdog
+
+    dog = StallWatchdog(tmp_path, startup_timeout_s=30, stall_timeout_s=None, rank=0, world_size=2)
+    (tmp_path / "live").mkdir()
+    assert dog._a_peer_is_gone()  # rank 1 never wrote a heartbeat
+    beat = tmp_path / "live" / "rank-1.json"
+    for updated, finished, gone in [(0, False, False), (10, False, True), (0, True, True)]:
+        beat.write_text(json.dumps({"rank": 1, "updated": time.time() - updated, "finished": finished}))
+        assert dog._a_peer_is_gone() == gone, (updated, finished)
+    assert not StallWatchdog(tmp_path, startup_timeout_s=30, stall_timeout_s=None)._a_peer_is_gone()  # alone

@@ -154,6 +154,7 @@ class StallWatchdog:
         self.stop_requested_at = 0.0
         self.stop_agreed = False
         self._stop_announced = False
+        self._stop_lock = threading.RLock()  # the signal handler may run again inside itself
 
     # -- limits ---------------------------------------------------------------------------------------------
     @property
@@ -260,7 +261,6 @@ class StallWatchdog:
         self._signal_read, signal_write = os.pipe()
         os.set_blocking(signal_write, False)
         self._terminated = threading.Event()
-        self._stop_lock = threading.RLock()  # the handler may run again inside itself
 
         def on_signal(number: int, _frame: object) -> None:  # in the main thread, between two bytecodes
             if self.graceful:
