@@ -41,7 +41,8 @@ def verdicts(cfg: Config, tokenizer, engine: str = "deepspeed", world_size: int 
     return {c.name: c for c in run_checks(cfg, engine, world_size, tokenizer, samples)}
 
 
-def test_a_healthy_moe_job_passes_everything(tokenizer):
+def test_a_healthy_moe_job_passes_everything(tokenizer, monkeypatch):
+    monkeypatch.setattr("tuneforge.doctor.native_cpu_half_precision", lambda: True)  # bf16 on any CPU here
     checks = verdicts(config(), tokenizer)
     assert {c.status for c in checks.values()} == {PASS}, checks
     assert "1 MoE blocks (stacked experts) gathered whole as ZeRO-3 leaf modules" in checks["MoE under sharding"].detail
@@ -96,6 +97,17 @@ def test_dropout_on_stacked_expert_adapters_fails_before_peft_refuses_it(tokeniz
     model["lora"] = {"r": 8, "dropout": 0.0, "experts": True}
     cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
     assert verdicts(cfg, tokenizer)["LoRA dropout on experts"].status == PASS
+
+
+def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix():
+    from tuneforge.doctor import check_cpu_precision
+
+    emulated = check_cpu_precision(config(), on_gpu=False, native=False)
+    assert emulated.status == WARN and "without AVX512-BF16 or AMX" in emulated.detail
+    assert emulated.fix == "set train.precision=fp32 on this machine"
+    assert check_cpu_precision(config(), on_gpu=False, native=True).status == PASS
+    assert check_cpu_precision(config(), on_gpu=True, native=False).status == PASS
+    assert check_cpu_precision(config(train={"precision": "fp32"}), on_gpu=False, native=False).status == PASS
 
 
 def test_too_few_samples_for_the_ranks_warn(tokenizer):

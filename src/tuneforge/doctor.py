@@ -207,6 +207,28 @@ def check_dtype(cfg: Config, skeleton: nn.Module | None) -> Check:
     return Check(name, PASS, f"{cfg.model.dtype}" + (f" (model trained in {trained})" if trained else ""))
 
 
+def native_cpu_half_precision() -> bool:
+    """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX); without, oneDNN emulates them."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def check_cpu_precision(cfg: Config, on_gpu: bool, native: bool | None = None) -> Check:
+    name = "CPU precision"
+    precision = cfg.train.precision
+    if on_gpu or precision not in ("bf16", "fp16"):
+        return Check(name, PASS, f"{precision}" + ("" if on_gpu else " on CPU"))
+    native = native_cpu_half_precision() if native is None else native
+    if native:
+        return Check(name, PASS, f"{precision} on a CPU with native bfloat16 (AVX512-BF16 or AMX)")
+    return Check(
+        name,
+        WARN,
+        f"{precision} on a CPU without AVX512-BF16 or AMX: its matmuls are emulated, about 10x slower than fp32 "
+        "(the demo: 14 s against 1.4 s per step on an AVX2 EPYC)",
+        "set train.precision=fp32 on this machine",
+    )
+
+
 def check_samples(cfg: Config, world_size: int, num_samples: int | None) -> Check:
     name = "samples per step"
     if num_samples is None:
@@ -390,6 +412,7 @@ def run_checks(
         check_expert_adapters(cfg, moe),
         check_expert_dropout(cfg, moe),
         check_dtype(cfg, skeleton),
+        check_cpu_precision(cfg, torch.cuda.is_available() or accelerator is not None),
         check_samples(cfg, world_size, num_samples),
         check_packing(cfg),
         check_template(cfg, tokenizer),
