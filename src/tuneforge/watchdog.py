@@ -263,6 +263,8 @@ class StallWatchdog:
         self._terminated = threading.Event()
 
         def on_signal(number: int, _frame: object) -> None:  # in the main thread, between two bytecodes
+            if self.stop_agreed:
+                return  # the ranks are already saving and stopping together
             if self.graceful:
                 self.request_stop(signal.Signals(number))
                 return  # the loop stops at the step's end; the monitor thread handles a repeat
@@ -285,6 +287,11 @@ class StallWatchdog:
             self.stop_signal, self.stop_requested_at = number, now
         return True
 
+    def clear_stop(self) -> None:
+        """The run reached its last step as the signal came: it completes; a further signal stops it at once."""
+        with self._stop_lock:
+            self.stop_signal = None
+
     def agree_stop(self) -> None:
         """Every rank voted to stop after this step: from here the save is bounded by the usual limits."""
         self.stop_agreed = True
@@ -294,7 +301,9 @@ class StallWatchdog:
         if not ready:
             return
         for number in os.read(self._signal_read, 64):
-            if number not in STOP_SIGNALS:
+            if number not in STOP_SIGNALS or self.stop_agreed:
+                # After the agreement a peer that finished first exits, and torchrun then signals the others:
+                # they are saving and stopping already (the scheduler's kill bounds it).
                 continue
             received = signal.Signals(number)
             if not self.graceful:
@@ -309,9 +318,8 @@ class StallWatchdog:
     def _check_graceful_stop(self) -> None:
         if self.stop_signal is None or self.stop_agreed:
             return
-        if (
-            not self._stop_announced and self.rank == 0
-        ):  # said here, not in the handler: it may interrupt a print of the main thread
+        # Said here, not in the signal handler, which may interrupt a print of the main thread.
+        if not self._stop_announced and self.rank == 0:
             self._stop_announced = True
             print(
                 f"tuneforge: rank {self.rank}: {self.stop_signal.name} received: finishing step {max(self.step, 1)}, "

@@ -323,9 +323,10 @@ class Trainer:
         voted = [number for number, votes in zip(STOP_SIGNALS, self.stop_votes, strict=True) if votes]
         if not voted:
             return
-        self.watchdog.agree_stop()
         if step == self.total_steps:
-            return  # the run is complete: its final checkpoint comes next, as without the signal
+            self.watchdog.clear_stop()  # the run is complete: its final checkpoint comes next, as without a signal
+            return
+        self.watchdog.agree_stop()
         received = voted[0]
         ranks = sum(self.stop_votes)
         self.progress.log(
