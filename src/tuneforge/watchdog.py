@@ -268,6 +268,9 @@ class StallWatchdog:
             if self.graceful:
                 self.request_stop(signal.Signals(number))
                 return  # the loop stops at the step's end; the monitor thread handles a repeat
+            if self._failing.locked():
+                # This thread was writing a failure's dump (it may hold the recorder's lock): let it finish.
+                return
             self._terminated.wait(10)  # the monitor thread writes its dump first
             os._exit(128 + number)
 
@@ -352,7 +355,13 @@ class StallWatchdog:
 
     def _terminate(self, received: signal.Signals, why: str) -> None:
         detail = f"stopped by {received.name}" + (f" ({why})" if why else "")
-        self.dump("terminated", detail)
+        if self._failing.acquire(blocking=False):
+            self.dump("terminated", detail)
+        else:
+            # The main thread is writing this rank's dump of a failure, the better evidence: wait for it.
+            deadline = time.monotonic() + 10
+            while not (self.diagnostics_dir / f"rank-{self.rank}.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
         if self.rank == 0:
             where = f"step {self.step}" if self.step else f"phase {self.phase}, before the first step"
             print(
