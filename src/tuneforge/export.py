@@ -66,10 +66,10 @@ def _finish(tmp: Path, out: Path) -> None:
 
 def export(checkpoint: Path, out: Path, merge: bool, dtype_name: str | None, base: Path | None = None) -> list[str]:
     """Write the export atomically; returns lines describing it."""
-    check_checkpoint(checkpoint)
     meta = read_chat_meta(checkpoint) or {}
     adapter = is_adapter(checkpoint)
     if adapter and not merge:
+        check_checkpoint(checkpoint)  # the merge path checks it inside load_trained
         return _export_adapter(checkpoint, out, dtype_name, base, meta)
     trained = load_trained(checkpoint, base, merge=True)
     dtype = EXPORT_DTYPES[dtype_name] if dtype_name else base_dtype(trained.base or str(checkpoint))
