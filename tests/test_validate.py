@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tuneforge.config import load_config
+from tuneforge.distributed import Layout
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.run import run_training
 from tuneforge.train.validate import validation_batches, validation_loss
@@ -14,12 +15,16 @@ from tuneforge.train.validate import validation_batches, validation_loss
 from conftest import chat, rows_batch, single_engine, tiny_llama, tokenized, write_jsonl
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize(("world_size", "sequence_parallel"), [(1, 1), (2, 1), (3, 1), (2, 2), (6, 2)])
 @pytest.mark.parametrize("packing", [False, True])
-def test_every_target_counts_once_whatever_the_ranks(tokenizer, world_size, packing):
+def test_every_target_counts_once_whatever_the_ranks(tokenizer, world_size, sequence_parallel, packing):
     data = tokenized(tokenizer, [chat(f"q{i}" * (1 + i % 3), f"answer {i}") for i in range(5)])
     per_rank = [
-        list(validation_batches(data, 1, tokenizer.pad_token_id, rank, world_size, packing, 256))
+        list(
+            validation_batches(
+                data, 1, tokenizer.pad_token_id, Layout.of(rank, world_size, sequence_parallel), packing, 256
+            )
+        )
         for rank in range(world_size)
     ]
     assert len({len(batches) for batches in per_rank}) == 1  # the same number of forwards on every rank
@@ -31,7 +36,7 @@ def test_validation_loss_is_the_token_mean_over_the_split(tokenizer):
     data = tokenized(tokenizer, [chat(f"question {i}", "answer " * (1 + i)) for i in range(4)])
     model = tiny_llama(tokenizer)
     engine = single_engine(model)
-    batches = list(validation_batches(data, 2, tokenizer.pad_token_id, 0, 1, False, 256))
+    batches = list(validation_batches(data, 2, tokenizer.pad_token_id, Layout(), False, 256))
     loss, targets = validation_loss(engine, batches, "fp32")
     reference = accumulate_gradients(engine, [rows_batch(data, list(range(4)), tokenizer.pad_token_id)], "fp32")
     assert targets == reference.num_targets

@@ -62,7 +62,9 @@ def test_unmappable_settings_are_listed_with_their_lines(tmp_path):
     reasons = {what: (line, why) for line, what, why in result.unmapped}
     line, why = reasons["dataset_map_fn = my_custom_map_fn"]
     assert "dataset_map_fn=my_custom_map_fn" in text.splitlines()[line - 1] and "convert the data" in why
-    assert reasons["sequence_parallel_size = 2"][1] == "not supported"
+    assert "sequence_parallel_size = 2" not in reasons
+    assert result.config["parallel"]["sequence_parallel"] == 2
+    assert any("sequence_parallel_size = 2 (line" in note for note in result.notes)
     assert any("FunctionDef statements are not read" in why for _, why in reasons.values())
 
 

@@ -28,6 +28,21 @@ class DistInfo:
         return self.world_size > 1
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits: data-parallel group `data_rank` of `data_size`, sequence shard `shard` of `size`."""
+
+    size: int = 1
+    shard: int = 0
+    data_rank: int = 0
+    data_size: int = 1
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, size: int) -> Layout:
+        """Groups are consecutive ranks: (0..N-1), (N..2N-1), ...: on one node they talk over the fastest links."""
+        return cls(size, rank % size, rank // size, world_size // size)
+
+
 def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 

@@ -233,12 +233,14 @@ def check_samples(cfg: Config, world_size: int, num_samples: int | None) -> Chec
     name = "samples per step"
     if num_samples is None:
         return Check(name, PASS, "data not read")
-    per_step = world_size * cfg.train.micro_batch_size
+    groups = world_size // cfg.parallel.sequence_parallel  # the ranks of a sequence-parallel group share rows
+    per_step = groups * cfg.train.micro_batch_size
     if num_samples < per_step:
         return Check(
             name,
             WARN,
-            f"{num_samples} training samples for {world_size} ranks x micro-batch {cfg.train.micro_batch_size}: "
+            f"{num_samples} training samples for {groups} {'ranks' if groups == world_size else 'data-parallel groups'}"
+            f" x micro-batch {cfg.train.micro_batch_size}: "
             "samples repeat within a step so that every rank has a batch",
             "add data, or lower train.micro_batch_size or the number of processes",
         )

@@ -354,6 +354,12 @@ class ParallelConfig(Section):
     deepspeed_config: str | None = None
     """A DeepSpeed JSON file merged over the generated one (its keys win), for settings we do not expose."""
 
+    sequence_parallel: int = Field(1, ge=1)
+    """Split each sample's tokens across a group of this many ranks (Ulysses: attention exchanges heads for
+    tokens with an all-to-all, everything else runs on the rank's share), for samples whose activations do not
+    fit one device. The data-parallel size is then world size / N: `train.micro_batch_size` is per group of N
+    ranks. Needs attention and key/value heads divisible by N, and `model.attn_implementation: sdpa`."""
+
     @model_validator(mode="after")
     def _offload_fits_engine(self) -> ParallelConfig:
         if self.cpu_offload == "optimizer" and self.engine == "fsdp":
@@ -362,6 +368,8 @@ class ParallelConfig(Section):
             raise ValueError("parameter offload needs ZeRO-3: set parallel.zero_stage=3 or cpu_offload=optimizer")
         if self.cpu_offload != "none" and self.engine in ("single", "ddp"):
             raise ValueError(f"parallel.cpu_offload needs engine fsdp or deepspeed, not {self.engine}")
+        if self.sequence_parallel > 1 and self.engine == "single":
+            raise ValueError("parallel.sequence_parallel needs several ranks: engine ddp, fsdp or deepspeed")
         return self
 
 

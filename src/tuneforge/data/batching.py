@@ -37,6 +37,9 @@ class MicroBatch:
     """Index of the sample within its row, -1 for padding: attention never crosses these boundaries."""
     packed: bool
     origins: list[str]
+    whole_position_ids: torch.Tensor | None = None
+    """Under sequence parallelism, the positions of the whole rows this rank holds a shard of (the tensors
+    above are the shard); None otherwise."""
 
     @property
     def num_targets(self) -> int:
@@ -47,10 +50,13 @@ class MicroBatch:
         return int(self.attention_mask.sum())
 
 
-def collate(data: TokenizedData, rows: list[list[int]], pad_id: int, packed: bool) -> MicroBatch:
-    """Rows are padded on the right to the longest row. Targets are shifted inside each sample."""
+def collate(
+    data: TokenizedData, rows: list[list[int]], pad_id: int, packed: bool, width_multiple: int = 1
+) -> MicroBatch:
+    """Rows are padded on the right to the longest row, rounded up to `width_multiple`. Targets are shifted
+    inside each sample."""
     row_lengths = [int(sum(data.lengths[i] for i in row)) for row in rows]
-    width = max(row_lengths)
+    width = -(-max(row_lengths) // width_multiple) * width_multiple
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     targets = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -73,6 +79,27 @@ def collate(data: TokenizedData, rows: list[list[int]], pad_id: int, packed: boo
         position_ids[r, cursor:] = torch.arange(width - cursor)
     attention_mask = (sequence_ids >= 0).long()
     return MicroBatch(input_ids, attention_mask, targets, position_ids, sequence_ids, packed, origins)
+
+
+def shard_rows(batch: MicroBatch, shard: int, size: int) -> MicroBatch:
+    """Shard `shard` of `size` of every row: a contiguous 1/size of each row's width (a multiple of `size`), the
+    whole rows' positions kept alongside for attention. Targets were shifted within samples before, so each
+    token's target travels with it."""
+    if size == 1:
+        return batch
+    width = batch.input_ids.size(1)
+    assert width % size == 0, "rows are collated to a multiple of the sequence-parallel size"
+    part = slice(shard * width // size, (shard + 1) * width // size)
+    return MicroBatch(
+        batch.input_ids[:, part],
+        batch.attention_mask[:, part],
+        batch.targets[:, part],
+        batch.position_ids[:, part],
+        batch.sequence_ids[:, part],
+        batch.packed,
+        batch.origins,
+        whole_position_ids=batch.position_ids,
+    )
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -149,8 +176,10 @@ def padding_fraction(plan: Plan, lengths: np.ndarray) -> float:
 
 class BatchPlanner:
     """Micro-batches of this rank for each epoch. The plan is made for the global micro-batch
-    (`micro_batch_size` rows per rank x ranks) and each rank takes its share, so N ranks see exactly the
-    batches one process would see with an N times larger micro-batch."""
+    (`micro_batch_size` rows per data-parallel rank x data-parallel ranks) and each rank takes its share, so N
+    ranks see exactly the batches one process would see with an N times larger micro-batch. Under sequence
+    parallelism (`sequence_shard` = (shard, size)) the `size` ranks of a group are one data-parallel rank: they
+    take the same rows, each a 1/size shard of them."""
 
     def __init__(
         self,
@@ -162,6 +191,7 @@ class BatchPlanner:
         max_length: int,
         rank: int = 0,
         world_size: int = 1,
+        sequence_shard: tuple[int, int] = (0, 1),
     ):
         self.data = data
         self.global_micro_batch = micro_batch_size * world_size
@@ -170,6 +200,7 @@ class BatchPlanner:
         self.strategy = strategy
         self.rank = rank
         self.world_size = world_size
+        self.sequence_shard = sequence_shard
         self.packed_rows = best_fit_decreasing(data.lengths, max_length) if strategy == "packed" else None
 
     def plan(self, epoch: int) -> Plan:
@@ -185,5 +216,12 @@ class BatchPlanner:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[MicroBatch]:
         """This rank's micro-batches of `epoch`, from the `start`-th on."""
         packed = self.strategy == "packed"
+        shard, size = self.sequence_shard
         for rows in self.plan(epoch)[start:]:
-            yield collate(self.data, rows, self.pad_id, packed)
+            yield shard_rows(collate(self.data, rows, self.pad_id, packed, sequence_width_multiple(size)), shard, size)
+
+
+def sequence_width_multiple(size: int) -> int:
+    """Rows split into `size` shards of equal width, each at least 2 tokens (a one-token forward would be taken
+    for a generation step); 1 without sequence parallelism."""
+    return 1 if size == 1 else 2 * size

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tuneforge.config.schema import Config
 from tuneforge.data.batching import BatchPlanner, best_fit_decreasing, padding_fraction, plan_epoch
 from tuneforge.data.tokenize import TokenizedData
+from tuneforge.distributed import Layout
 
 
 def strategy(cfg: Config) -> str:
@@ -13,9 +14,20 @@ def strategy(cfg: Config) -> str:
     return "grouped" if cfg.data.group_by_length else "random"
 
 
-def make_planner(data: TokenizedData, cfg: Config, pad_id: int, rank: int = 0, world_size: int = 1) -> BatchPlanner:
+def make_planner(data: TokenizedData, cfg: Config, pad_id: int, layout: Layout | None = None) -> BatchPlanner:
+    """This rank's batches: its data-parallel group's share of every global micro-batch, and under sequence
+    parallelism its shard of each row."""
+    layout = layout or Layout()
     return BatchPlanner(
-        data, cfg.train.micro_batch_size, pad_id, cfg.train.seed, strategy(cfg), cfg.data.max_length, rank, world_size
+        data,
+        cfg.train.micro_batch_size,
+        pad_id,
+        cfg.train.seed,
+        strategy(cfg),
+        cfg.data.max_length,
+        layout.data_rank,
+        layout.data_size,
+        (layout.shard, layout.size),
     )
 
 

@@ -13,8 +13,11 @@ from __future__ import annotations
 import torch
 
 from tuneforge.data.batching import MicroBatch
+from tuneforge.errors import UserError
+from tuneforge.model import sequence_parallel
 from tuneforge.model.packed_attention import NAME as PACKED_SDPA
 from tuneforge.model.packed_attention import cumulative_lengths
+from tuneforge.model.sequence_parallel import SequenceShard
 
 
 def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
@@ -34,8 +37,30 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> dict[str, torch.Tensor | int]:
-    inputs = {"input_ids": to_device(batch.input_ids, device), "position_ids": to_device(batch.position_ids, device)}
+def sequence_shard(model: torch.nn.Module, whole_position_ids: torch.Tensor, device: torch.device) -> SequenceShard:
+    """The attention's view of the whole rows under sequence parallelism, planned from the CPU positions."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != PACKED_SDPA:
+        raise UserError(
+            f"parallel.sequence_parallel needs model.attn_implementation=sdpa on a model that uses transformers' "
+            f"attention interface; this model runs {implementation!r}"
+        )
+    cu_lengths, longest = None, 0
+    if device.type == "cuda":
+        cu_lengths, longest = cumulative_lengths(whole_position_ids)
+        cu_lengths = to_device(cu_lengths, device)
+    group = sequence_parallel.group()
+    return SequenceShard(group, group.size(), to_device(whole_position_ids, device), cu_lengths, longest)
+
+
+def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> dict[str, object]:
+    inputs: dict[str, object] = {
+        "input_ids": to_device(batch.input_ids, device),
+        "position_ids": to_device(batch.position_ids, device),
+    }
+    if batch.whole_position_ids is not None:
+        inputs["sequence_shard"] = sequence_shard(model, batch.whole_position_ids, device)
+        return inputs  # no mask: the attention splits the whole rows where positions restart, padded or packed
     if not batch.packed:
         inputs["attention_mask"] = to_device(batch.attention_mask, device)
         return inputs

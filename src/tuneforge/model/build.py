@@ -7,7 +7,14 @@ import importlib
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from tuneforge.config.schema import ModelConfig
@@ -58,6 +65,13 @@ def _fresh_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase):
             "pad_token_id": tokenizer.pad_token_id,
         },
     )
+
+
+def model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The model's config alone (no weights): a fresh model's from `model.size`, else `model.path`'s config.json."""
+    if cfg.architecture is not None:
+        return _fresh_config(cfg, tokenizer)
+    return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
 
 
 def _read_by_modeling_code(model_type: str, key: str) -> bool:

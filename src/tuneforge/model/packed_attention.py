@@ -40,6 +40,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tuneforge.model.sequence_parallel import SequenceShard
+
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # PyTorch before 2.10
@@ -325,7 +327,17 @@ def packed_sdpa_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     position_ids = kwargs.get("position_ids")
-    batch, heads, length, _ = query.shape
+    shard: SequenceShard | None = kwargs.get("sequence_shard")
+    window = kwargs.get("sliding_window")
+    if shard is not None:
+        # Sequence parallelism: this rank's tokens of every head in, all tokens of its heads attended, back out.
+        query, key, value = (shard.gather(states) for states in (query, key, value))
+        dropout = dropout if module.training else 0.0
+        out = samples_attention(
+            query, key, value, shard.position_ids, shard.cu_lengths, shard.longest, dropout, scaling, window
+        )
+        return shard.scatter(out), None
+    length = query.size(2)
     # Whole sequences: no cached keys ahead of the queries (training, or generation's first pass).
     whole = position_ids is not None and length > 1 and key.size(2) == length and position_ids.size(-1) == length
     causal = kwargs.get("is_causal")
@@ -335,17 +347,34 @@ def packed_sdpa_forward(
     if not whole or not causal or attention_mask is not None or kwargs.get("s_aux") is not None:
         with sdpa_backends(query.device):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    window = kwargs.get("sliding_window")
     dropout = dropout if module.training else 0.0
-    cu_lengths = kwargs.get("cu_seq_lens_q")
+    cu_lengths, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q", 0)
+    return samples_attention(query, key, value, position_ids, cu_lengths, longest, dropout, scaling, window), None
+
+
+def samples_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_lengths: torch.Tensor | None,
+    longest: int,
+    dropout: float,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention within each sample of whole rows (samples start where `position_ids` restart): the
+    varlen kernel when `cu_lengths` were planned and it applies, else the gathered SDPA. (batch, heads,
+    length, dim) in, (batch, length, heads, value dim) out."""
+    gqa = query.size(1) != key.size(1)
     if (
         cu_lengths is not None
         and varlen_unsupported(query, key, value, dropout) is None
-        and varlen_verified(query.device, query.dtype, query.size(-1), value.size(-1), heads != key.size(1))
+        and varlen_verified(query.device, query.dtype, query.size(-1), value.size(-1), gqa)
     ):
-        return varlen_forward(query, key, value, cu_lengths, kwargs["max_length_q"], scaling, window), None
-    plan = _plan_for(position_ids, batch)
-    return gathered_sdpa(query, key, value, plan, dropout, scaling, window), None
+        return varlen_forward(query, key, value, cu_lengths, longest, scaling, window)
+    plan = _plan_for(position_ids, query.size(0))
+    return gathered_sdpa(query, key, value, plan, dropout, scaling, window)
 
 
 _MASK_PARAMETERS = inspect.signature(sdpa_mask)

@@ -292,7 +292,7 @@ class Trainer:
             stop_vote=self._stop_vote,
         )
         self.stop_votes = accumulated.stop_votes
-        self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * engine.info.world_size
+        self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * self.parts.layout.data_size
 
         self.watchdog.beat("optimizer")
         lr = self.schedule(step)
@@ -508,6 +508,7 @@ class Trainer:
                     self.engine.name,
                     self.best_val_loss if self.best_val_loss < float("inf") else None,
                     self.parts.run_id or None,
+                    self.parts.layout.size,
                 )
                 write_state(tmp / TRAINING_STATE, point)
             else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from tuneforge.config.schema import Config
 from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.templates import ChatTemplate
+from tuneforge.distributed import Layout
 from tuneforge.engines import Engine
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.router_balance import RouterBalance
@@ -38,3 +39,5 @@ class RunParts:
     """Parameters a token multiplies with, for model FLOPs (counted before the engine sharded them)."""
     run_id: str = ""
     """The run this work dir belongs to (`run.json`): its step checkpoints record it."""
+    layout: Layout = field(default_factory=Layout)
+    """This rank's data-parallel group and sequence shard (`parallel.sequence_parallel`)."""

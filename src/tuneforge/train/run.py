@@ -20,16 +20,18 @@ from tuneforge.data.report import format_report, nothing_trains
 from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.faults import FaultInjector, injected_fault
 from tuneforge.diagnostics.recorder import RECORDER
-from tuneforge.distributed import DistInfo, barrier, init_distributed
+from tuneforge.distributed import DistInfo, Layout, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
 from tuneforge.engines import Engine, EngineTraits, build_engine, choose_engine, engine_traits
 from tuneforge.errors import UserError
 from tuneforge.host_memory import freed_host_memory_kept
+from tuneforge.model import packed_attention
 from tuneforge.model.adapters import make_trainable
-from tuneforge.model.build import DTYPES, build_model, build_tokenizer, count_parameters
+from tuneforge.model.build import DTYPES, build_model, build_tokenizer, count_parameters, model_config
 from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
+from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.train.checkpoint import step_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.inputs import check_inputs, checkpoint_bytes, disk_room_problems
@@ -111,6 +113,7 @@ def _locked_run(
             train.micro_batch_size,
             train.gradient_accumulation,
             engine_name,
+            cfg.parallel.sequence_parallel,
         )
     run_id = ""
     if info.is_main:
@@ -205,6 +208,7 @@ def setup(
     data = load_data(cfg, tokenizer, template, info, say)
     if cfg.watchdog.doctor != "off":
         preflight(cfg, engine_name, info, tokenizer, len(data.train.data), say)
+    layout = sequence_layout(cfg, engine_name, info, tokenizer, say)
     traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
     if cfg.train.compile:
         check_compiler(info.device, traits)
@@ -214,7 +218,12 @@ def setup(
     engine = build_engine(
         engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe
     )
-    planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, info.rank, info.world_size)
+    if layout.size > 1 and getattr(model.config, "_attn_implementation", None) != packed_attention.NAME:
+        raise UserError(
+            "parallel.sequence_parallel: this model does not use transformers' attention interface (remote code "
+            "with its own attention), so its attention cannot be split across ranks; set parallel.sequence_parallel=1"
+        )
+    planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, layout)
 
     def steps_from(start_step: int) -> StepGroups:
         return step_groups(planner, cfg.train.gradient_accumulation, start_step)
@@ -241,10 +250,36 @@ def setup(
         steps_from=steps_from,
         watchdog=watchdog,
         balance=balance,
-        validation=validation_split(cfg, data, tokenizer, info),
+        validation=validation_split(cfg, data, tokenizer, layout),
+        layout=layout,
         active_parameters=active_parameters,
         run_id=run_id,
     )
+
+
+def sequence_layout(cfg: Config, engine_name: str, info: DistInfo, tokenizer, say: Say) -> Layout:
+    """Where this rank sits in data and sequence parallelism; with `parallel.sequence_parallel` > 1, the checks
+    that need only the model's config (before it loads) and the sequence-parallel process groups."""
+    size = cfg.parallel.sequence_parallel
+    if size == 1:
+        return Layout.of(info.rank, info.world_size, 1)
+    config = model_config(cfg.model, tokenizer).get_text_config()
+    heads = config.num_attention_heads
+    problems = unsupported(
+        heads, getattr(config, "num_key_value_heads", None) or heads, info.world_size, size, engine_name
+    )
+    if cfg.model.attn_implementation != "sdpa":
+        problems.append(
+            f"model.attn_implementation={cfg.model.attn_implementation}: it needs sdpa (tuneforge's packed attention)"
+        )
+    if problems:
+        raise UserError(f"parallel.sequence_parallel={size}: " + "; ".join(problems))
+    layout = init_groups(info.rank, info.world_size, size)
+    say(
+        f"sequence parallel: each row split across {size} ranks (all-to-all around attention, {heads // size} of "
+        f"{heads} heads per rank); {layout.data_size} data-parallel group(s), train.micro_batch_size is per group"
+    )
+    return layout
 
 
 def load_data(cfg: Config, tokenizer, template, info: DistInfo, say: Say) -> PreparedData:
@@ -312,15 +347,14 @@ def check_disk_room(cfg: Config, work_dir: Path, total: int, trainable: int, say
         say(warning)
 
 
-def validation_split(cfg: Config, data: PreparedData, tokenizer, info: DistInfo) -> list[MicroBatch] | None:
+def validation_split(cfg: Config, data: PreparedData, tokenizer, layout: Layout) -> list[MicroBatch] | None:
     if data.validation is not None and len(data.validation.data):
         return list(
             validation_batches(
                 data.validation.data,
                 cfg.train.micro_batch_size,
                 tokenizer.pad_token_id,
-                info.rank,
-                info.world_size,
+                layout,
                 cfg.data.packing,
                 cfg.data.max_length,
             )
@@ -336,10 +370,14 @@ def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | 
     """The loop from the start or a checkpoint, then the exact-match evaluation and the closing summary."""
     cfg, engine, work_dir = parts.cfg, parts.engine, parts.work_dir
     trainer = Trainer(parts)
-    global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation * info.world_size
+    layout = parts.layout
+    global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation * layout.data_size
+    ranks = f"{info.world_size} rank(s)"
+    if layout.size > 1:
+        ranks = f"{layout.data_size} data-parallel group(s) of {layout.size} ranks, each row split across a group"
     say(
         f"train: {trainer.total_steps} optimizer steps of {cfg.train.gradient_accumulation} x "
-        f"{cfg.train.micro_batch_size} {'rows' if cfg.data.packing else 'samples'} x {info.world_size} rank(s) "
+        f"{cfg.train.micro_batch_size} {'rows' if cfg.data.packing else 'samples'} x {ranks} "
         f"= {global_batch} per step; lr {cfg.train.lr:g} ({cfg.train.schedule}, "
         f"{trainer.schedule.warmup_steps} warmup steps)"
     )

@@ -36,6 +36,8 @@ class ResumePoint:
     best_val_loss: float | None = None
     run_id: str | None = None
     """The run that wrote it (None: written before runs were recorded)."""
+    sequence_parallel: int = 1
+    """Ranks per sample: the data-parallel size, and so the data plan, is world_size / sequence_parallel."""
 
 
 def save_rng(directory: Path, rank: int) -> None:
@@ -97,7 +99,15 @@ def find_resume(
     return None
 
 
-def check_compatible(point: ResumePoint, checkpoint: Path, world_size: int, micro: int, accumulation: int, engine: str):
+def check_compatible(
+    point: ResumePoint,
+    checkpoint: Path,
+    world_size: int,
+    micro: int,
+    accumulation: int,
+    engine: str,
+    sequence_parallel: int = 1,
+):
     """Sharded states and the data plan are tied to the world size and batch shape they were written with."""
     expected = (point.world_size, point.micro_batch_size, point.gradient_accumulation, point.engine)
     if expected != (world_size, micro, accumulation, engine):
@@ -106,4 +116,10 @@ def check_compatible(point: ResumePoint, checkpoint: Path, world_size: int, micr
             f"micro-batch {point.micro_batch_size} and accumulation {point.gradient_accumulation}; this run has "
             f"{world_size}, {engine}, {micro} and {accumulation}. Resume with the same settings (export the "
             "checkpoint and start a new run from it to change them)"
+        )
+    if point.sequence_parallel != sequence_parallel:
+        raise UserError(
+            f"--resume {checkpoint}: written with parallel.sequence_parallel={point.sequence_parallel}, this run has "
+            f"{sequence_parallel}: the data-parallel size and so the order of the data differ. Resume with "
+            f"parallel.sequence_parallel={point.sequence_parallel}"
         )

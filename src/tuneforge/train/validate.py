@@ -7,18 +7,28 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from tuneforge.data.batching import MicroBatch, best_fit_decreasing, collate, plan_epoch
+from tuneforge.data.batching import (
+    MicroBatch,
+    best_fit_decreasing,
+    collate,
+    plan_epoch,
+    sequence_width_multiple,
+    shard_rows,
+)
 from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.data.tokenize import TokenizedData
+from tuneforge.distributed import Layout
 from tuneforge.engines import Engine
 from tuneforge.train.loss import loss_sum
 
 
 def validation_batches(
-    data: TokenizedData, micro_batch_size: int, pad_id: int, rank: int, world_size: int, packing: bool, max_length: int
+    data: TokenizedData, micro_batch_size: int, pad_id: int, layout: Layout, packing: bool, max_length: int
 ) -> Iterator[MicroBatch]:
-    """This rank's share of every global validation micro-batch. When a batch has fewer rows than ranks, the
-    rows repeated to give every rank a batch have their targets masked, so each sample counts exactly once."""
+    """This rank's share of every global validation micro-batch (its data-parallel group's rows, its sequence
+    shard of them). When a batch has fewer rows than groups, the rows repeated to give every group a batch have
+    their targets masked, so each sample counts exactly once."""
+    rank, world_size = layout.data_rank, layout.data_size
     packed_rows = best_fit_decreasing(data.lengths, max_length) if packing else None
     plan = plan_epoch(
         data.lengths, micro_batch_size * world_size, "packed" if packing else "grouped", 0, 0, packed_rows
@@ -27,11 +37,13 @@ def validation_batches(
         real = len(batch)
         rows = batch + [batch[i % real] for i in range(max(0, world_size - real))]
         bounds = np.linspace(0, len(rows), world_size + 1).round().astype(int)
-        mine = collate(data, rows[bounds[rank] : bounds[rank + 1]], pad_id, packing)
+        mine = collate(
+            data, rows[bounds[rank] : bounds[rank + 1]], pad_id, packing, sequence_width_multiple(layout.size)
+        )
         for position in range(bounds[rank], bounds[rank + 1]):
             if position >= real:
                 mine.targets[position - bounds[rank]] = IGNORE_INDEX
-        yield mine
+        yield shard_rows(mine, layout.shard, layout.size)
 
 
 @torch.no_grad()

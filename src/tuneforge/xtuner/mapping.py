@@ -634,9 +634,16 @@ class Mapper:
         else:
             self.result.notes.append("randomness.seed is None (random in xtuner) -> train.seed 42, for reproducibility")
         parallel_size = values.get("sequence_parallel_size", 1)
-        if parallel_size not in (None, 1):
-            line = lines.get("sequence_parallel_size", 0)
-            self.unmapped(line, f"sequence_parallel_size = {_show(parallel_size)}", "not supported")
+        line = lines.get("sequence_parallel_size", 0)
+        if isinstance(parallel_size, int) and not isinstance(parallel_size, bool) and parallel_size > 1:
+            self.section("parallel")["sequence_parallel"] = parallel_size
+            self.result.notes.append(
+                f"sequence_parallel_size = {parallel_size} (line {line}) -> parallel.sequence_parallel: each sample "
+                f"split across {parallel_size} ranks; train.micro_batch_size is per group of {parallel_size} ranks, "
+                "as in xtuner; the process count must be a multiple of it"
+            )
+        elif parallel_size not in (None, 1):
+            self.unmapped(line, f"sequence_parallel_size = {_show(parallel_size)}", "not a whole number of ranks")
         if deepspeed is not None:
             if deepspeed not in DEEPSPEED_PRESETS:
                 raise UserError(f"--deepspeed {deepspeed}: not an xtuner preset; one of {', '.join(DEEPSPEED_PRESETS)}")
