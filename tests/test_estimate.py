@@ -126,6 +126,20 @@ def test_run_time_scales_inversely_with_ranks_without_offload(llama):
     assert eight.tokens_per_step == 8 * one.tokens_per_step
 
 
+def test_sequence_parallel_divides_activations_and_tokens_per_step_by_its_size(deepseek):
+    """Long rows on 8 GPUs: 4 ranks per row hold a quarter of each row's activations; the step holds a quarter
+    of the rows (2 data-parallel groups), and the exchange around attention shows as its own time."""
+    data = {"train_files": ["x.jsonl"], "max_length": 32768}
+    whole = config(model=LORA, data=data, parallel={"engine": "fsdp"})
+    split = config(model=LORA, data=data, parallel={"engine": "fsdp", "sequence_parallel": 4})
+    one, four = estimate(whole, deepseek, "fsdp", 8, H100), estimate(split, deepseek, "fsdp", 8, H100)
+    assert row(four, "activations").gpu == pytest.approx(row(one, "activations").gpu / 4, rel=1e-3)
+    assert "32768/4 (sequence parallel)" in row(four, "activations").label
+    assert four.tokens_per_step == one.tokens_per_step / 4
+    assert "2 groups of 4 ranks" in four.tokens_note
+    assert any(name == "sequence all-to-all" and seconds > 0 for name, seconds, _ in four.times)
+
+
 def test_routed_experts_count_by_their_top_k_share(deepseek):
     est = estimate(config(model=LORA), deepseek, "single", 1, H100)
     flops = next(how for what, _, how in est.times if what == "compute")

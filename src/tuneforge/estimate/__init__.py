@@ -46,9 +46,11 @@ def estimate(
     s = model_shapes(cfg, skeleton, moe, compute_bytes)
     memory = memory_use(cfg, s, traits, world_size, per_node, compute_bytes, kbit)
     tokens_micro = train.micro_batch_size * cfg.data.max_length
-    tokens_step = world_size * train.gradient_accumulation * tokens_micro
+    groups = world_size // par.sequence_parallel  # a sequence-parallel group of ranks shares its rows
+    tokens_step = groups * train.gradient_accumulation * tokens_micro
+    ranks = f"{groups} ranks" if par.sequence_parallel == 1 else f"{groups} groups of {par.sequence_parallel} ranks"
     tokens_note = (
-        f"{world_size} ranks x {train.gradient_accumulation} micro-batches x {train.micro_batch_size} x "
+        f"{ranks} x {train.gradient_accumulation} micro-batches x {train.micro_batch_size} x "
         f"{cfg.data.max_length} tokens" + ("" if cfg.data.packing else "; without packing an upper bound")
     )
     times, step_s = step_times(
@@ -57,7 +59,7 @@ def estimate(
     if train.max_steps is not None:
         steps = train.max_steps
     elif num_samples:
-        steps = math.ceil(num_samples / (world_size * train.micro_batch_size * train.gradient_accumulation))
+        steps = math.ceil(num_samples / (groups * train.micro_batch_size * train.gradient_accumulation))
         steps *= train.epochs
     else:
         steps = None

@@ -99,7 +99,10 @@ def memory_use(
                 per_layer * (kept * compute_bytes + 4 + compute_bytes),  # + one fp32 delta and W's gradient
             )
         )
-    tokens_micro = train.micro_batch_size * cfg.data.max_length
+    # Under sequence parallelism a rank holds 1/N of every row's tokens (attention: all tokens of 1/N of the heads).
+    split = par.sequence_parallel
+    tokens_micro = train.micro_batch_size * cfg.data.max_length // split
+    shard = f"/{split} (sequence parallel)" if split > 1 else ""
     if checkpointing:
         per_token = s.layers * s.hidden + s.act_max_layer  # layer inputs, one layer recomputed
         act_how = "checkpointed"
@@ -108,7 +111,7 @@ def memory_use(
         act_how = "all layers"
     rows.append(
         Row(
-            f"activations: {train.micro_batch_size} x {cfg.data.max_length} tokens, {act_how}",
+            f"activations: {train.micro_batch_size} x {cfg.data.max_length}{shard} tokens, {act_how}",
             tokens_micro * per_token * compute_bytes,
         )
     )

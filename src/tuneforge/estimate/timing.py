@@ -34,7 +34,8 @@ def step_times(
         return [], None
     train, par = cfg.train, cfg.parallel
     micro = train.gradient_accumulation
-    tokens_micro = train.micro_batch_size * cfg.data.max_length
+    split = par.sequence_parallel
+    tokens_micro = train.micro_batch_size * cfg.data.max_length // split  # this rank's share of the rows
     passes = 4 + (2 if train.gradient_checkpointing else 0)  # forward, input gradients, recompute: 2 each
     rate = accelerator.bf16_flops * BASE_MFU
     other = s.active - s.active_quantized - s.active_routed
@@ -72,6 +73,13 @@ def step_times(
         collective += reductions * s.trainable * grad_bytes * spread * (2 if all_reduce else 1)
         collective /= bandwidth
         times.append(("collectives", collective, "overlap compute (prefetch)"))
+    if split > 1:
+        # Per layer and micro-batch: q, k, v and the output exchanged forward, their gradients backward (about 4
+        # hidden-sized vectors per token each way), (N-1)/N of it leaving the rank; on the critical path.
+        exchanged = micro * tokens_micro * s.layers * 8 * s.hidden * compute_bytes * (split - 1) / split
+        bandwidth = NVLINK_BYTES_PER_S if split <= per_node else NETWORK_BYTES_PER_S
+        times.append(("sequence all-to-all", exchanged / bandwidth, f"{split} ranks per row, not overlapped"))
+        gpu_s += exchanged / bandwidth
 
     host = 0.0
     if par.cpu_offload == "all":
