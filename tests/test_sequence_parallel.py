@@ -67,11 +67,13 @@ def recorded_ops(work_dir: Path, rank: int) -> list[str]:
 def test_two_ranks_splitting_each_row_equal_one_rank_with_whole_rows(tmp_path, model, packing, engine):
     config = write_job(tmp_path, model, packing)
     # One case also validates (split like training) and samples chats (whole prompts, no split) on the way.
-    evaluation = ["data.validation_fraction=0.25", "eval.every_steps=2", "eval.sample_prompts=[hello]"]
-    evaluation = evaluation if engine == "fsdp" else []
-    one = train_here(config, tmp_path / "one", *evaluation)
+    extra = ["data.validation_fraction=0.25", "eval.every_steps=2", "eval.sample_prompts=[hello]"]
+    extra = extra if engine == "fsdp" else []
+    if model == "deepseek_v2" and packing:  # activations recomputed in backward: the exchanges run again there
+        extra = ["train.gradient_checkpointing=true"]
+    one = train_here(config, tmp_path / "one", *extra)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = launch(config, tmp_path / "two", SEQUENCE_PARALLEL, *ENGINES[engine], *evaluation, ranks=2, timeout=600)
+    two = launch(config, tmp_path / "two", SEQUENCE_PARALLEL, *ENGINES[engine], *extra, ranks=2, timeout=600)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "sequence parallel: each row split across 2 ranks" in two.stdout
     assert "x 1 data-parallel group(s) of 2 ranks, each row split across a group = 4 per step" in two.stdout
@@ -81,7 +83,7 @@ def test_two_ranks_splitting_each_row_equal_one_rank_with_whole_rows(tmp_path, m
     # Attention across the shards is what makes the losses equal: without the exchange, the second half of
     # every row would not see the first.
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
-    if evaluation:
+    if engine == "fsdp":
         validation = [[r["val_loss"] for r in metrics(tmp_path / run) if "val_loss" in r] for run in ("one", "two")]
         assert len(validation[1]) == 2 and validation[1] == pytest.approx(validation[0], abs=1e-5)
         assert "[sample @ step 4] 'hello' -> " in two.stdout
