@@ -66,7 +66,7 @@ def recorded_ops(work_dir: Path, rank: int) -> list[str]:
 )
 def test_two_ranks_splitting_each_row_equal_one_rank_with_whole_rows(tmp_path, model, packing, engine):
     config = write_job(tmp_path, model, packing)
-    # One case also validates (split like training) and samples chats (whole prompts, no split) on the way.
+    # The FSDP2 case also validates (split like training) and samples chats (whole prompts, no split).
     extra = ["data.validation_fraction=0.25", "eval.every_steps=2", "eval.sample_prompts=[hello]"]
     extra = extra if engine == "fsdp" else []
     if model == "deepseek_v2" and packing:  # activations recomputed in backward: the exchanges run again there
