@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from tuneforge.data.batching import MicroBatch
-from tuneforge.errors import UserError
 from tuneforge.model import sequence_parallel
 from tuneforge.model.packed_attention import NAME as PACKED_SDPA
 from tuneforge.model.packed_attention import cumulative_lengths
@@ -37,14 +36,9 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def sequence_shard(model: torch.nn.Module, whole_position_ids: torch.Tensor, device: torch.device) -> SequenceShard:
-    """The attention's view of the whole rows under sequence parallelism, planned from the CPU positions."""
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation != PACKED_SDPA:
-        raise UserError(
-            f"parallel.sequence_parallel needs model.attn_implementation=sdpa on a model that uses transformers' "
-            f"attention interface; this model runs {implementation!r}"
-        )
+def sequence_shard(whole_position_ids: torch.Tensor, device: torch.device) -> SequenceShard:
+    """The attention's view of the whole rows under sequence parallelism, planned from the CPU positions (the run's
+    setup has refused models whose attention is not tuneforge's packed attention)."""
     cu_lengths, longest = None, 0
     if device.type == "cuda":
         cu_lengths, longest = cumulative_lengths(whole_position_ids)
@@ -59,7 +53,7 @@ def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device
         "position_ids": to_device(batch.position_ids, device),
     }
     if batch.whole_position_ids is not None:
-        inputs["sequence_shard"] = sequence_shard(model, batch.whole_position_ids, device)
+        inputs["sequence_shard"] = sequence_shard(batch.whole_position_ids, device)
         return inputs  # no mask: the attention splits the whole rows where positions restart, padded or packed
     if not batch.packed:
         inputs["attention_mask"] = to_device(batch.attention_mask, device)
