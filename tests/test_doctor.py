@@ -89,14 +89,18 @@ def test_expert_adapters_with_parameter_offload_warn_with_a_cost(tokenizer):
     assert "crosses PCIe" in check.detail
 
 
-def test_dropout_on_stacked_expert_adapters_fails_before_peft_refuses_it(tokenizer):
-    model = {**DEEPSEEK, "lora": {"r": 8, "dropout": 0.1, "experts": True}}
-    cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
-    check = verdicts(cfg, tokenizer)["LoRA dropout on experts"]
-    assert check.status == FAIL and check.fix == "set model.lora.dropout=0, or model.lora.experts=false"
-    model["lora"] = {"r": 8, "dropout": 0.0, "experts": True}
-    cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
-    assert verdicts(cfg, tokenizer)["LoRA dropout on experts"].status == PASS
+def test_dropout_on_stacked_expert_adapters_fails_only_in_peft_form(tokenizer):
+    def check(**lora):
+        model = {**DEEPSEEK, "lora": {"r": 8, "experts": True, **lora}}
+        cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
+        return verdicts(cfg, tokenizer)["LoRA dropout on experts"]
+
+    grouped = check(dropout=0.1)
+    assert grouped.status == PASS and "grouped low-rank products, which take dropout" in grouped.detail
+    peft_form = check(dropout=0.1, grouped_experts=False)
+    assert peft_form.status == FAIL and peft_form.fix == "set model.lora.dropout=0, or model.lora.experts=false"
+    assert "model.lora.grouped_experts is false" in peft_form.detail
+    assert check(dropout=0.0, grouped_experts=False).status == PASS
 
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix():

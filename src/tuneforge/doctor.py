@@ -23,6 +23,7 @@ from tuneforge.data.templates import TOKENIZER, get_template
 from tuneforge.engines import EngineTraits, engine_traits
 from tuneforge.errors import UserError
 from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_estimate, local_accelerator
+from tuneforge.model.expert_lora import grouped_experts_unsupported
 from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.quantize import quantized_linears
 
@@ -185,11 +186,18 @@ def check_expert_dropout(cfg: Config, moe: MoEMap) -> Check:
     stacked = [b for b in moe if b.layout == "stacked"]
     if not stacked:
         return Check(name, PASS, "experts are modules: their adapters take dropout")
+    if lora.grouped_experts:
+        reasons = [r for b in stacked if (r := grouped_experts_unsupported(b.module.get_submodule(b.experts_name)))]
+        if not reasons:
+            return Check(name, PASS, "stacked expert adapters run as grouped low-rank products, which take dropout")
+        why = f"their experts cannot run as grouped low-rank products ({reasons[0]})"
+    else:
+        why = "model.lora.grouped_experts is false"
     return Check(
         name,
         FAIL,
-        f"model.lora.dropout={lora.dropout:g} with adapters on {len(stacked)} MoE blocks of stacked experts: PEFT "
-        "adapts stacked expert weights as W + B@A, which cannot apply dropout to the input, and refuses",
+        f"model.lora.dropout={lora.dropout:g} with adapters on {len(stacked)} MoE blocks of stacked experts, and "
+        f"{why}: PEFT's own W + B@A form cannot apply dropout to the input, and refuses",
         "set model.lora.dropout=0, or model.lora.experts=false",
     )
 

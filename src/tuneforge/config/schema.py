@@ -42,6 +42,11 @@ class LoraSettings(Section):
     """Also put adapters on the routed experts of MoE models (module lists and stacked expert parameters).
     Off by default: thousands of expert adapters are slow and rarely needed."""
 
+    grouped_experts: bool = True
+    """Compute adapters on stacked routed experts as grouped low-rank products, (x·A_e)·B_e, which never builds
+    a full-size W + B·A per expert and also applies `dropout`. False: PEFT's own W + B·A on every pass (no
+    dropout there). The saved adapter is the same either way."""
+
     modules_to_save: list[str] = Field(default_factory=list)
     """Modules trained in full and saved with the adapter (for example `lm_head` after adding tokens)."""
 

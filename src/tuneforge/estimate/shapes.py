@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from tuneforge.config.schema import Config
-from tuneforge.model.adapters import resolve_lora_targets
+from tuneforge.model.adapters import resolve_lora_targets, stacked_experts_in_peft_form
 from tuneforge.model.moe import MoEBlock, MoEMap
 from tuneforge.model.quantize import matches_module_name, quantized_linears
 from tuneforge.model.structure import decoder_layers
@@ -27,9 +27,10 @@ class ModelShapes:
     """Other parameters that do not train (the whole base under LoRA)."""
     trainable: int
     adapter_active: float
-    """Adapter parameters a token multiplies with (module adapters only)."""
+    """Adapter parameters a token multiplies with (module adapters, and expert adapters in grouped form)."""
     stacked_adapted: int
-    """Values of stacked expert weights with adapters: W + B@A is formed in full every pass."""
+    """Values of stacked expert weights whose adapters run in PEFT's form: W + B@A formed in full every pass
+    (0 where they run as grouped low-rank products)."""
     stacked_layers: int
     active: float
     """Parameters a token multiplies with (routed experts by their top-k share, no input embedding)."""
@@ -92,6 +93,8 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
     adapters: dict[str, float] = {}  # module name -> adapter parameters
     stacked: list[nn.Parameter] = []
     extra = 0
+    grouped_active = 0.0
+    lora_saved: dict[str, float] = {}  # module name -> saved bytes per token and compute byte
     if lora is not None:
         targets = resolve_lora_targets(model, lora, moe)
         for name in targets.modules:
@@ -99,10 +102,20 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
             adapters[name] = lora.r * (module.in_features + module.out_features) + (
                 module.out_features if lora.use_dora else 0
             )
+        peft_form = stacked_experts_in_peft_form(model, lora, targets)
         for name in targets.parameters:
             param = model.get_parameter(name)
-            stacked.append(param)
-            extra += param.shape[0] * lora.r * (param.shape[1] + param.shape[2])
+            low_rank = param.shape[0] * lora.r * (param.shape[1] + param.shape[2])
+            extra += low_rank
+            experts = name.rsplit(".", 1)[0]
+            if experts not in peft_form:  # (x·A_e)·B_e: a token multiplies with its top-k experts' factors
+                grouped_active += share.get(id(param), 1.0) * low_rank
+                dropout = param.shape[-1] * (1 + 1 / compute_bytes) if lora.dropout > 0 else 0.0
+                lora_saved[experts] = lora_saved.get(experts, 0.0) + share.get(id(param), 1.0) * param.shape[0] * (
+                    dropout + lora.r
+                )
+            else:
+                stacked.append(param)
         for name, module in model.named_modules():
             if lora.modules_to_save and matches_module_name(name, lora.modules_to_save):
                 extra += sum(p.numel() for p in module.parameters())
@@ -114,7 +127,6 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
     frozen = sum(p.numel() for p in params if id(p) not in quantized_ids and id(p) not in trainable_ids)
 
     names = {id(module): name for name, module in model.named_modules()}
-    lora_saved: dict[str, float] = {}
     if lora is not None:  # bytes per token and compute byte: the dropped-out input and its mask, A's output
         for name in adapters:
             module = model.get_submodule(name)
@@ -137,7 +149,8 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
         quantized=quantized,
         frozen=frozen,
         trainable=trainable,
-        adapter_active=sum(share.get(id(model.get_submodule(n).weight), 1.0) * count for n, count in adapters.items()),
+        adapter_active=grouped_active
+        + sum(share.get(id(model.get_submodule(n).weight), 1.0) * count for n, count in adapters.items()),
         stacked_adapted=sum(p.numel() for p in stacked),
         stacked_layers=sum(1 for layer in layers if any(id(p) in stacked_ids for p in layer.parameters())),
         active=sum(active.values()),

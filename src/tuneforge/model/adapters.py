@@ -18,6 +18,7 @@ from torch import nn
 
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.errors import UserError
+from tuneforge.model.expert_lora import grouped_expert_lora_class, grouped_experts_unsupported
 from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.quantize import matches_module_name
 
@@ -108,11 +109,48 @@ def exact_targets(model: nn.Module) -> Iterator[None]:
             del config.model_type
 
 
+def stacked_experts_in_peft_form(model: nn.Module, settings: LoraSettings, targets: LoraTargets) -> dict[str, str]:
+    """Experts modules (by path) whose targeted stacked weights keep PEFT's full-size W + B·A form, and why;
+    the others run their adapters as grouped low-rank products."""
+    paths = sorted({name.rsplit(".", 1)[0] for name in targets.parameters})
+    if not settings.grouped_experts:
+        return {path: "model.lora.grouped_experts is false" for path in paths}
+    reasons = {path: grouped_experts_unsupported(model.get_submodule(path)) for path in paths}
+    return {path: reason for path, reason in reasons.items() if reason is not None}
+
+
+def grouped_expert_layers(
+    model: nn.Module, settings: LoraSettings, targets: LoraTargets
+) -> tuple[dict[type, type], str]:
+    """The PEFT custom-layer mapping that computes stacked-expert adapters as grouped low-rank products, and a
+    note on where it does not apply. Refuses dropout where PEFT's own wrapper would have to take it."""
+    paths = sorted({name.rsplit(".", 1)[0] for name in targets.parameters})
+    if not paths:
+        return {}, ""
+    peft_form = stacked_experts_in_peft_form(model, settings, targets)
+    if peft_form and settings.dropout:
+        path, reason = next(iter(peft_form.items()))
+        raise UserError(
+            f"model.lora.dropout: {settings.dropout:g} cannot apply to the adapters on the stacked experts of "
+            f"{path} ({reason}): PEFT's W + B·A form has no input to drop. Set model.lora.dropout: 0, or "
+            "model.lora.experts: false to keep dropout on the other layers"
+        )
+    grouped = {type(model.get_submodule(path)) for path in paths if path not in peft_form}
+    if peft_form:
+        path, reason = next(iter(peft_form.items()))
+        note = f"; stacked experts of {len(peft_form)} MoE block(s) in PEFT's full-size W + B·A form ({path}: {reason})"
+    else:
+        note = "; stacked experts as grouped low-rank products"
+    layer = grouped_expert_lora_class()
+    return {cls: layer for cls in grouped}, note
+
+
 def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap | None = None) -> tuple[nn.Module, str]:
     """The PEFT model with adapters on the resolved targets, and a line saying where they went."""
     from peft import LoraConfig, get_peft_model
 
     targets = resolve_lora_targets(model, settings, moe)
+    custom_layers, grouped_note = grouped_expert_layers(model, settings, targets)
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
@@ -124,11 +162,14 @@ def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap | None = No
         use_rslora=settings.use_rslora,
         task_type="CAUSAL_LM",
     )
+    if custom_layers:
+        config._register_custom_module(custom_layers)
     with exact_targets(model):
         peft_model = get_peft_model(model, config)
     return (
         peft_model,
-        f"lora: r={settings.r} alpha={settings.alpha:g} dropout={settings.dropout:g}, {targets.describe()}",
+        f"lora: r={settings.r} alpha={settings.alpha:g} dropout={settings.dropout:g}, {targets.describe()}"
+        + grouped_note,
     )
 
 

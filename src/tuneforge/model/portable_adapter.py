@@ -53,23 +53,29 @@ def make_portable(directory: Path, model_type: str) -> str:
     path = directory / ADAPTER_CONFIG
     config = json.loads(path.read_text(encoding="utf-8"))
     moved = rewritten_targets(config, model_type)
-    if not moved:
-        return ""
-    if config.get("use_dora"):
+    if moved and config.get("use_dora"):
         # PEFT has no DoRA for adapters named by weight: say so (never fail a save in the middle of training).
         return (
             f"warning: PEFT's own loader misreads the DoRA adapters on {moved[0]} and {len(moved) - 1} more layers "
             f"of this {model_type} model (it takes them for routed experts); load this adapter with tuneforge "
             "chat/export, or export --merge for a model that loads anywhere"
         )
-    config["target_modules"] = [name for name in config["target_modules"] if name not in moved]
-    config["target_parameters"] = [*(config.get("target_parameters") or []), *(f"{name}.weight" for name in moved)]
-    # PEFT adapts weights named in target_parameters without input dropout; it only mattered in training.
-    config["lora_dropout"] = 0.0
+    lines = []
+    if moved:
+        config["target_modules"] = [name for name in config["target_modules"] if name not in moved]
+        config["target_parameters"] = [*(config.get("target_parameters") or []), *(f"{n}.weight" for n in moved)]
+        lines.append(
+            f"adapter_config.json: {len(moved)} linear layers named gate/up/down_proj listed by weight under "
+            f"target_parameters (same weights and keys), because PEFT's loader reads such names on {model_type} "
+            "models as routed experts of the transformers 4 layout"
+        )
+    if config.get("target_parameters") and config.get("lora_dropout"):
+        # PEFT refuses input dropout on adapters named by weight; dropout only mattered in training.
+        config["lora_dropout"] = 0.0
+        if not moved:
+            lines.append("adapter_config.json: lora_dropout 0, which PEFT's loader needs for adapters named by weight")
+    if not lines:
+        return ""
     assert not rewritten_targets(config, model_type), "the portable config is still rewritten"
     path.write_text(json.dumps(config, indent=2), encoding="utf-8")
-    return (
-        f"adapter_config.json: {len(moved)} linear layers named gate/up/down_proj listed by weight under "
-        f"target_parameters (same weights and keys), because PEFT's loader reads such names on {model_type} models "
-        "as routed experts of the transformers 4 layout"
-    )
+    return "; ".join(lines)

@@ -373,14 +373,9 @@ class Mapper:
         else:
             # xtuner then adapts every linear layer but the output head, the routed experts of MoE models included.
             out["targets"], out["experts"] = "all-linear", True
-            note = "LoraConfig without target_modules -> model.lora.targets: all-linear, experts: true (as xtuner)"
-            if out.get("dropout"):
-                note += (
-                    f"; lora_dropout {out['dropout']} -> 0: PEFT takes no dropout on routed experts stored as stacked "
-                    "weights (transformers 5); set model.lora.experts=false to keep the dropout on the other layers"
-                )
-                out["dropout"] = 0.0
-            self.result.notes.append(note)
+            self.result.notes.append(
+                "LoraConfig without target_modules -> model.lora.targets: all-linear, experts: true (as xtuner)"
+            )
         bias = self.take(call, "bias")
         if bias not in (None, "none"):
             self.unmapped(self.line(call, "bias"), f"lora.bias = {bias!r}", "tuneforge trains no biases with LoRA")

@@ -1,0 +1,187 @@
+"""LoRA on stacked routed experts as grouped low-rank products, with no full-size deltas.
+
+PEFT adapts a stacked expert weight W (one slice per expert) named in `target_parameters` by forming
+W + s·B_e·A_e for every expert on every forward, then running the experts on that full-size tensor; backward
+then computes a full-size weight gradient that is only reduced to A and B afterwards. For DeepSeek-V2-Lite
+(64 experts of 3 x 2048 x 1408 per layer) that is 577M values built and differentiated per layer per pass for
+adapters of rank 64.
+
+`GroupedExpertLora` is PEFT's own `ParamWrapper` (same modules, keys and shapes, so the adapter files and
+PEFT's loader are unchanged) with another forward: the tokens routed to each expert are multiplied by the frozen
+weight and, separately, by the expert's two low-rank factors, (x·A_e)·B_e, each as one grouped matmul over all
+experts (`torch.nn.functional.grouped_mm` where its layout rules hold). Up to rounding this is
+x·(W_e + s·B_e·A_e): the same function as PEFT's, without any tensor the size of W besides W itself.
+
+It is registered with PEFT through `LoraConfig._register_custom_module` for experts classes that
+`transformers` builds with `use_experts_implementation` (their layout is described by its attributes); others
+keep PEFT's own wrapper. Since the low-rank branch is separate, it also takes input dropout, which PEFT's
+wrapper cannot apply to stacked weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUPED_MM_ALIGNMENT = 16
+"""Bytes: grouped_mm's kernels need every non-unit stride and the data pointers on this boundary."""
+
+
+def grouped_experts_unsupported(experts: nn.Module) -> str | None:
+    """Why the grouped form cannot run `experts` (None when it can): it reads the layout attributes that
+    `transformers`' `use_experts_implementation` sets on an experts class."""
+    if not all(hasattr(experts, a) for a in ("has_gate", "has_bias", "is_transposed", "num_experts")):
+        return f"{type(experts).__name__} does not describe its layout (not a transformers experts class)"
+    if getattr(experts, "_is_expert_parallel", False):
+        return "experts are split across ranks (expert parallelism)"
+    first = "gate_up_proj" if experts.has_gate else "up_proj"
+    if not all(isinstance(getattr(experts, n, None), nn.Parameter) for n in (first, "down_proj")):
+        return f"{type(experts).__name__} has no stacked {first} and down_proj weights"
+    return None
+
+
+def _kernel_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `grouped_mm` takes these operands as they are (CUDA: bfloat16 on sm80+; both: aligned strides)."""
+    if a.dtype != b.dtype or not hasattr(F, "grouped_mm"):
+        return False
+    if a.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device) < (8, 0)):
+        return False
+    for t in (a, b):
+        size = t.element_size()
+        if t.data_ptr() % GROUPED_MM_ALIGNMENT or any((s * size) % GROUPED_MM_ALIGNMENT for s in t.stride() if s != 1):
+            return False
+    return True
+
+
+class _Groups:
+    """Rows sorted by expert: the `grouped_mm` offsets, and the per-expert counts for the fallback loop
+    (read from the device only if the fallback is needed)."""
+
+    def __init__(self, expert_of_row: torch.Tensor, num_experts: int) -> None:
+        counts = torch.bincount(expert_of_row, minlength=num_experts)
+        self.offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        self._counts = counts
+        self._host_counts: list[int] | None = None
+
+    def matmul(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """rows (S, in) grouped by expert times weight (E, in, out): (S, out)."""
+        if _kernel_applies(rows, weight):
+            return F.grouped_mm(rows, weight, offs=self.offsets)
+        if self._host_counts is None:
+            # The fallback (CPU without aligned shapes, non-bf16 on CUDA) needs the split on the host; on CUDA
+            # that is one device-to-host copy per MoE block forward.
+            self._host_counts = self._counts.tolist()
+        pieces = torch.split(rows, self._host_counts)
+        return torch.cat([piece @ weight[e] for e, piece in enumerate(pieces)])
+
+
+def _as_in_out(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A stacked weight as (experts, in, out): transformers stores (experts, out, in) unless transposed."""
+    return weight if transposed else weight.transpose(1, 2)
+
+
+def _low_rank(wrapper: nn.Module, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(A as (experts, in, r), B as (experts, r, out), scaling) of one ParamWrapper's adapter, in `dtype`.
+
+    PEFT lays the factors out as lora_A.weight (experts·r, in), rows grouped by expert, and lora_B.weight
+    (out, r·experts), columns interleaved as r·experts + e, whether the weight is stored transposed or not
+    (its in/out are then swapped)."""
+    experts = wrapper.num_experts
+    a = wrapper.lora_A[adapter].weight
+    b = wrapper.lora_B[adapter].weight
+    down = a.reshape(experts, -1, a.shape[-1]).transpose(1, 2)  # (E, in, r)
+    up = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0)  # (E, r, out)
+    # grouped_mm takes A's transposed view as it is; B's interleaved columns leave the expert stride at one
+    # element, which its kernels refuse, so B is copied (rank-sized, not weight-sized).
+    return down.to(dtype), up.to(dtype).contiguous(), wrapper.scaling[adapter]
+
+
+def grouped_experts_forward(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    adapters: dict[str, tuple[torch.Tensor, torch.Tensor, float, nn.Module]],
+) -> torch.Tensor:
+    """What `experts(hidden_states, top_k_index, top_k_weights)` computes with W + s·B·A in place of each adapted
+    weight W, computed as x·W + s·(dropout(x)·A)·B. `adapters`: parameter name -> (A, B, s, dropout)."""
+    device_type = hidden_states.device.type
+    weight_dtype = experts.down_proj.dtype
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight_dtype
+    num_tokens, top_k = top_k_index.shape
+    expert_of_pair = top_k_index.reshape(-1)
+    order = torch.argsort(expert_of_pair, stable=True)
+    groups = _Groups(expert_of_pair[order], experts.num_experts)
+    rows = hidden_states[order // top_k].to(dtype)
+
+    def project(name: str, x: torch.Tensor) -> torch.Tensor:
+        weight = _as_in_out(getattr(experts, name), experts.is_transposed).to(dtype)
+        out = groups.matmul(x, weight)
+        if experts.has_bias:
+            out = out + getattr(experts, f"{name}_bias")[expert_of_pair[order]].to(dtype)
+        if name in adapters:
+            down, up, scaling, dropout = adapters[name]
+            out = out + groups.matmul(groups.matmul(dropout(x), down.to(dtype)), up.to(dtype)) * scaling
+        return out
+
+    with torch.autocast(device_type, enabled=False):
+        if experts.has_gate:
+            inner = experts._apply_gate(project("gate_up_proj", rows))
+        else:
+            inner = experts.act_fn(project("up_proj", rows))
+        out = project("down_proj", inner)
+        if getattr(experts, "has_post_expert_norm", False):
+            out = experts.post_expert_norm(out)
+        out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        # Back to (token, k) order, then a plain sum over k: deterministic, unlike a scatter-add.
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)
+        return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _grouped_wrapper_class() -> type:
+    from peft.tuners.lora import layer as peft_lora
+
+    class ParamWrapper(peft_lora.ParamWrapper):
+        """PEFT's wrapper of one stacked expert weight, whose outermost instance runs all the experts' adapters
+        as grouped low-rank products (see the module docstring). It keeps PEFT's class name because PEFT
+        recognises wrappers of parameters by that name when it nests a second one on the same experts."""
+
+        def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, **kwargs: Any) -> None:
+            # PEFT's wrapper refuses input dropout (it cannot drop inside W + B·A); this one applies it.
+            dropout = config.lora_dropout
+            if dropout:
+                config = copy.copy(config)
+                config.lora_dropout = 0.0
+            super().__init__(base_layer, adapter_name, config=config, **kwargs)
+            if dropout:
+                self.lora_dropout[adapter_name] = nn.Dropout(p=dropout)
+
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            adapters, layer = {}, self
+            while isinstance(layer, peft_lora.ParamWrapper):
+                active = [a for a in layer.active_adapters if a in layer.lora_A]
+                if layer.disable_adapters or layer.merged or len(active) > 1 or kwargs.get("adapter_names"):
+                    return super().forward(x, *args, **kwargs)  # PEFT's own path for its other modes
+                if active:
+                    dtype = layer.get_param().dtype
+                    down, up, scaling = _low_rank(layer, active[0], dtype)
+                    adapters[layer.parameter_name] = (down, up, scaling, layer.lora_dropout[active[0]])
+                layer = layer.base_layer
+            return grouped_experts_forward(layer, x, *args, adapters=adapters, **kwargs)
+
+    return ParamWrapper
+
+
+_WRAPPER: type | None = None
+
+
+def grouped_expert_lora_class() -> type:
+    """The PEFT layer class (built on first use: PEFT is imported only when adapters are)."""
+    global _WRAPPER
+    if _WRAPPER is None:
+        _WRAPPER = _grouped_wrapper_class()
+    return _WRAPPER
