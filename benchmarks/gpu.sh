@@ -7,7 +7,9 @@
 # dependencies; `pip download -d wheels torch transformers peft ...` on a machine with network). Without it
 # the current Python environment is used as it is. Prints the tables of benchmarks/gpu_lora.py for a
 # DeepSeek-V2-Lite-architecture model (random weights, real dimensions, 8 of its 27 layers) and a
-# Llama-3-8B-architecture model (all 32 layers); each model is cut off at its time limit, 7 minutes in all.
+# Llama-3-8B-architecture model (all 32 layers), then benchmarks/expert_lora.py (adapters on DeepSeek-V2-Lite's
+# routed experts: PEFT's full-size W + B·A against grouped low-rank products); each part is cut off at its time
+# limit, 8 minutes in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${1:-}"
@@ -22,3 +24,4 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 timeout 270 "$PYTHON" benchmarks/gpu_lora.py --models deepseek_v2_lite --layers 8 --steps 6
 timeout 150 "$PYTHON" benchmarks/gpu_lora.py --models llama3_8b --steps 6
+timeout 60 "$PYTHON" benchmarks/expert_lora.py --layers 2 --tokens 4096 --steps 3

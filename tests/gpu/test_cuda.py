@@ -88,3 +88,36 @@ def test_a_packed_micro_step_makes_no_host_synchronisation(tokenizer):
         loss_sum(model, batch, "bf16").backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def expert_adapted(tokenizer, grouped: bool):
+    """A bf16 Qwen3-MoE on CUDA, adapters on its stacked experts (r=16: grouped_mm's alignment holds)."""
+    from tuneforge.config.schema import LoraSettings, ModelConfig
+    from tuneforge.model.adapters import make_trainable
+
+    from conftest import tiny_qwen3_moe
+
+    settings = LoraSettings(r=16, alpha=32, dropout=0.0, experts=True, grouped_experts=grouped)
+    base = tiny_qwen3_moe(tokenizer).to(CUDA, torch.bfloat16)
+    model, _ = make_trainable(base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def test_grouped_expert_adapters_equal_peft_form_in_bf16_without_host_synchronisation(tokenizer):
+    ids = torch.randint(3, len(tokenizer), (2, 64), generator=torch.Generator().manual_seed(2)).to(CUDA)
+    grouped, peft_form = expert_adapted(tokenizer, True), expert_adapted(tokenizer, False)
+    expected = peft_form(input_ids=ids).logits.float()
+    logits = grouped(input_ids=ids).logits.float()
+    torch.testing.assert_close(logits, expected, atol=3e-2, rtol=3e-2)
+    logits.pow(2).mean().backward()  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the per-expert fallback would read counts on the host
+    try:
+        grouped(input_ids=ids).logits.float().pow(2).mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

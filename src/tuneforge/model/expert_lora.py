@@ -62,7 +62,10 @@ class _Groups:
     (read from the device only if the fallback is needed)."""
 
     def __init__(self, expert_of_row: torch.Tensor, num_experts: int) -> None:
-        counts = torch.bincount(expert_of_row, minlength=num_experts)
+        # histc, not bincount: bincount on CUDA reads the largest id on the host to size its output. histc takes
+        # integers on CUDA and (deterministically) only floats on CPU.
+        ids = expert_of_row.int() if expert_of_row.is_cuda else expert_of_row.float()
+        counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1).long()
         self.offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         self._counts = counts
         self._host_counts: list[int] | None = None
