@@ -127,3 +127,18 @@ def test_cpu_inputs_carry_no_varlen_plan(tokenizer):
     batch = collate(tokenized(tokenizer, records), [[0, 1]], tokenizer.pad_token_id, packed=True)
     inputs = model_inputs(model, batch, torch.device("cpu"))
     assert set(inputs) == {"input_ids", "position_ids"}  # the CPU keeps its gathered SDPA, planned in the forward
+
+
+def test_the_gathered_sdpa_plans_from_the_host_copy_of_the_positions_when_given():
+    """On CUDA the fallback gets the CPU copy of the positions, so that planning reads nothing from the GPU.
+    Here the device tensor is wrong on purpose (one sample per row): the result is right only if the plan
+    came from the host copy."""
+    torch.manual_seed(0)
+    position_ids = packed_positions()
+    inputs = [torch.randn(3, 4, WIDTH, 16) for _ in range(3)]
+    expected = gathered_sdpa(*inputs, plan_gather(position_ids), 0.0, None, None)
+    misleading = torch.arange(WIDTH).expand(3, -1).clone()
+    from_host = packed_attention.samples_attention(*inputs, misleading, None, 0, 0.0, None, None, position_ids)
+    torch.testing.assert_close(from_host, expected, atol=1e-6, rtol=1e-6)
+    from_device = packed_attention.samples_attention(*inputs, misleading, None, 0, 0.0, None, None)
+    assert not torch.allclose(from_device, expected)

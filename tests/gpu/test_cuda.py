@@ -78,14 +78,17 @@ def test_the_fused_loss_equals_the_logits_path_on_cuda(tokenizer):
     assert float(fused) == pytest.approx(float(plain), rel=1e-2)
 
 
-def test_a_packed_micro_step_makes_no_host_synchronisation(tokenizer):
-    model, data = bf16_llama(tokenizer), tokenized(tokenizer, RECORDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-varlen", "fp32-gathered-sdpa"])
+def test_a_packed_micro_step_makes_no_host_synchronisation(tokenizer, dtype):
+    """bf16 runs the varlen kernel; fp32, which it does not take, the gathered SDPA planned from the host copy."""
+    model, data = bf16_llama(tokenizer).to(dtype), tokenized(tokenizer, RECORDS)
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     batch = collate(data, [[0, 1, 2]], tokenizer.pad_token_id, packed=True)
-    loss_sum(model, batch, "bf16").backward()  # warm-up: allocations and the varlen self-check
+    loss_sum(model, batch, precision).backward()  # warm-up: allocations and the varlen self-check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss_sum(model, batch, "bf16").backward()
+        loss_sum(model, batch, precision).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -17,6 +17,7 @@ from tuneforge.model import sequence_parallel
 from tuneforge.model.packed_attention import NAME as PACKED_SDPA
 from tuneforge.model.packed_attention import cumulative_lengths
 from tuneforge.model.sequence_parallel import SequenceShard
+from tuneforge.model.transfer import to_device
 
 
 def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
@@ -28,14 +29,6 @@ def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None, :, :]
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU batch tensor on `device`. To a GPU through pinned memory without blocking: a plain copy from
-    pageable memory makes the host wait for the GPU's queue to drain."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def sequence_shard(whole_position_ids: torch.Tensor, device: torch.device) -> SequenceShard:
     """The attention's view of the whole rows under sequence parallelism, planned from the CPU positions (the run's
     setup has refused models whose attention is not tuneforge's packed attention)."""
@@ -44,7 +37,8 @@ def sequence_shard(whole_position_ids: torch.Tensor, device: torch.device) -> Se
         cu_lengths, longest = cumulative_lengths(whole_position_ids)
         cu_lengths = to_device(cu_lengths, device)
     group = sequence_parallel.group()
-    return SequenceShard(group, group.size(), to_device(whole_position_ids, device), cu_lengths, longest)
+    positions = to_device(whole_position_ids, device)
+    return SequenceShard(group, group.size(), positions, cu_lengths, longest, host_position_ids=whole_position_ids)
 
 
 def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> dict[str, object]:
@@ -65,6 +59,8 @@ def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device
         cu_lengths = to_device(cu_lengths, device)
         inputs |= {"cu_seq_lens_q": cu_lengths, "cu_seq_lens_k": cu_lengths}
         inputs |= {"max_length_q": longest, "max_length_k": longest}
+        # Where the kernel does not apply, the gathered SDPA plans from this copy instead of the GPU's.
+        inputs["host_position_ids"] = batch.position_ids
     if "flash" in implementation or implementation == PACKED_SDPA:
         return inputs  # both split the rows where position ids restart, with no mask built
     mask = block_causal_mask(to_device(batch.sequence_ids, device))

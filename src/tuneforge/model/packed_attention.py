@@ -19,7 +19,8 @@ one call over all samples, with the cumulative lengths computed from the CPU cop
 the forward (`cumulative_lengths`, passed in as `cu_seq_lens_q`), so that nothing waits on the GPU. MLA's
 narrower values (DeepSeek-V2: q/k 192, v 128) are padded with zero columns and the output sliced. Where the
 kernel does not apply (fp32, dropout, head dims above 256) the gathered SDPA above runs with its batch
-lengths rounded up to a multiple of 128, so that shapes repeat, and every SDPA call on CUDA names its
+lengths rounded up to a multiple of 128, so that shapes repeat, planned from the same CPU copy of the
+positions (the `host_position_ids` keyword), and every SDPA call on CUDA names its
 backends: flash or memory-efficient, never cuDNN, which builds a new plan for every new shape (95% of a
 step's time on an H200 with packed rows).
 """
@@ -41,6 +42,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tuneforge.model.sequence_parallel import SequenceShard
+from tuneforge.model.transfer import to_device
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -166,17 +168,23 @@ class _ScatterTokens(torch.autograd.Function):
 _last_plan: tuple[torch.Tensor, int, GatherPlan] | None = None
 
 
-def _plan_for(position_ids: torch.Tensor, batch: int) -> GatherPlan:
+def _plan_for(position_ids: torch.Tensor, batch: int, host_position_ids: torch.Tensor | None = None) -> GatherPlan:
     """Every layer of one forward gets the same `position_ids` tensor: plan once, not once per layer. The
-    cache holds the tensor itself (so its identity cannot be reused) and its version (no in-place edits)."""
+    cache holds the tensor itself (so its identity cannot be reused) and its version (no in-place edits).
+    With `host_position_ids`, their CPU copy, the plan is made from it and its indices moved to the device
+    without blocking: nothing waits on the GPU's queue."""
     global _last_plan
+    source = host_position_ids if host_position_ids is not None else position_ids
     cached = _last_plan
-    if cached is not None and cached[0] is position_ids and cached[1] == position_ids._version:
+    if cached is not None and cached[0] is source and cached[1] == source._version:
         return cached[2]
+    device = position_ids.device
     # Positions shared by all rows (batch 1 in the model's own default) are expanded for planning only.
-    multiple = CUDA_LENGTH_MULTIPLE if position_ids.device.type == "cuda" else 1
-    plan = plan_gather(position_ids.expand(batch, -1), multiple=multiple)
-    _last_plan = (position_ids, position_ids._version, plan)
+    multiple = CUDA_LENGTH_MULTIPLE if device.type == "cuda" else 1
+    plan = plan_gather(source.expand(batch, -1), multiple=multiple)
+    if plan.index.device != device:
+        plan = GatherPlan(plan.batches, to_device(plan.index, device), to_device(plan.inverse, device))
+    _last_plan = (source, source._version, plan)
     return plan
 
 
@@ -334,8 +342,9 @@ def packed_sdpa_forward(
         query, key, value = (shard.gather(states) for states in (query, key, value))
         dropout = dropout if module.training else 0.0
         out = samples_attention(
-            query, key, value, shard.position_ids, shard.cu_lengths, shard.longest, dropout, scaling, window
-        )
+            query, key, value, shard.position_ids, shard.cu_lengths, shard.longest, dropout, scaling, window,
+            shard.host_position_ids,
+        )  # fmt: skip
         return shard.scatter(out), None
     length = query.size(2)
     # Whole sequences: no cached keys ahead of the queries (training, or generation's first pass).
@@ -349,7 +358,9 @@ def packed_sdpa_forward(
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     dropout = dropout if module.training else 0.0
     cu_lengths, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q", 0)
-    return samples_attention(query, key, value, position_ids, cu_lengths, longest, dropout, scaling, window), None
+    host = kwargs.get("host_position_ids")
+    out = samples_attention(query, key, value, position_ids, cu_lengths, longest, dropout, scaling, window, host)
+    return out, None
 
 
 def samples_attention(
@@ -362,10 +373,12 @@ def samples_attention(
     dropout: float,
     scaling: float | None,
     window: int | None,
+    host_position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within each sample of whole rows (samples start where `position_ids` restart): the
-    varlen kernel when `cu_lengths` were planned and it applies, else the gathered SDPA. (batch, heads,
-    length, dim) in, (batch, length, heads, value dim) out."""
+    varlen kernel when `cu_lengths` were planned and it applies, else the gathered SDPA, planned from
+    `host_position_ids` (the CPU copy) when given. (batch, heads, length, dim) in, (batch, length, heads,
+    value dim) out."""
     gqa = query.size(1) != key.size(1)
     if (
         cu_lengths is not None
@@ -373,7 +386,7 @@ def samples_attention(
         and varlen_verified(query.device, query.dtype, query.size(-1), value.size(-1), gqa)
     ):
         return varlen_forward(query, key, value, cu_lengths, longest, scaling, window)
-    plan = _plan_for(position_ids, query.size(0))
+    plan = _plan_for(position_ids, query.size(0), host_position_ids)
     return gathered_sdpa(query, key, value, plan, dropout, scaling, window)
 
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from tuneforge.errors import UserError
-from tuneforge.model.attention import to_device
 from tuneforge.model.moe import MoEMap
+from tuneforge.model.transfer import to_device
 
 DEFAULT_COEF = 0.001
 """The coefficient Mixtral, Qwen-MoE and DeepSeek-V2 were trained with."""

@@ -104,6 +104,8 @@ class SequenceShard:
     cu_lengths: torch.Tensor | None = None
     """Cumulative sample lengths of the whole rows for the varlen kernel (CUDA), else None."""
     longest: int = 0
+    host_position_ids: torch.Tensor | None = None
+    """The CPU copy of `position_ids`: the gathered SDPA plans from it without waiting on the GPU."""
 
     def gather(self, states: torch.Tensor) -> torch.Tensor:
         return heads_to_sequence(states, self.process_group, self.size)
