@@ -74,6 +74,9 @@ def test_peft_loads_the_saved_adapter_with_the_trained_logits(tokenizer, tmp_pat
         torch.testing.assert_close(loaded(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
         ours = load_trained(tmp_path / "adapter", tmp_path / "base").model
         torch.testing.assert_close(ours(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+        # tuneforge's loader runs adapters on stacked experts as in training: grouped low-rank products.
+        grouped = {type(m).__module__ for n, m in ours.named_modules() if n.endswith(".experts")}
+        assert (grouped == {"tuneforge.model.expert_lora"}) == case.endswith("stacked-experts")
         merged = load_trained(tmp_path / "adapter", tmp_path / "base", merge=True).model
         torch.testing.assert_close(merged(input_ids=ids).logits, trained, atol=1e-4, rtol=1e-4)
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.errors import UserError
-from tuneforge.model.expert_lora import grouped_expert_lora_class, grouped_experts_unsupported
+from tuneforge.model.expert_lora import grouped_layers
 from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.quantize import matches_module_name
 
@@ -112,11 +112,10 @@ def exact_targets(model: nn.Module) -> Iterator[None]:
 def stacked_experts_in_peft_form(model: nn.Module, settings: LoraSettings, targets: LoraTargets) -> dict[str, str]:
     """Experts modules (by path) whose targeted stacked weights keep PEFT's full-size W + B·A form, and why;
     the others run their adapters as grouped low-rank products."""
-    paths = sorted({name.rsplit(".", 1)[0] for name in targets.parameters})
     if not settings.grouped_experts:
+        paths = sorted({name.rsplit(".", 1)[0] for name in targets.parameters})
         return {path: "model.lora.grouped_experts is false" for path in paths}
-    reasons = {path: grouped_experts_unsupported(model.get_submodule(path)) for path in paths}
-    return {path: reason for path, reason in reasons.items() if reason is not None}
+    return grouped_layers(model, targets.parameters)[1]
 
 
 def grouped_expert_layers(
@@ -124,8 +123,7 @@ def grouped_expert_layers(
 ) -> tuple[dict[type, type], str]:
     """The PEFT custom-layer mapping that computes stacked-expert adapters as grouped low-rank products, and a
     note on where it does not apply. Refuses dropout where PEFT's own wrapper would have to take it."""
-    paths = sorted({name.rsplit(".", 1)[0] for name in targets.parameters})
-    if not paths:
+    if not targets.parameters:
         return {}, ""
     peft_form = stacked_experts_in_peft_form(model, settings, targets)
     if peft_form and settings.dropout:
@@ -135,14 +133,16 @@ def grouped_expert_layers(
             f"{path} ({reason}): PEFT's W + B·A form has no input to drop. Set model.lora.dropout: 0, or "
             "model.lora.experts: false to keep dropout on the other layers"
         )
-    grouped = {type(model.get_submodule(path)) for path in paths if path not in peft_form}
+    if not settings.grouped_experts:
+        layers = {}
+    else:
+        layers, _ = grouped_layers(model, targets.parameters)
     if peft_form:
         path, reason = next(iter(peft_form.items()))
         note = f"; stacked experts of {len(peft_form)} MoE block(s) in PEFT's full-size W + B·A form ({path}: {reason})"
     else:
         note = "; stacked experts as grouped low-rank products"
-    layer = grouped_expert_lora_class()
-    return {cls: layer for cls in grouped}, note
+    return layers, note
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap | None = None) -> tuple[nn.Module, str]:

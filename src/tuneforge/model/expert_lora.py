@@ -188,3 +188,19 @@ def grouped_expert_lora_class() -> type:
     if _WRAPPER is None:
         _WRAPPER = _grouped_wrapper_class()
     return _WRAPPER
+
+
+def grouped_layers(model: nn.Module, parameter_names: list[str]) -> tuple[dict[type, type], dict[str, str]]:
+    """For adapters on `parameter_names` (full names of weights in `model`): the PEFT custom-layer mapping
+    that runs those on stacked experts as grouped low-rank products, and the experts modules (by path) that
+    cannot, with the reason. Names of linear layers' weights are left out of both."""
+    layers, refused = {}, {}
+    for path in sorted({name.rsplit(".", 1)[0] for name in parameter_names}):
+        module = model.get_submodule(path)
+        if isinstance(module, nn.Linear):
+            continue
+        if (reason := grouped_experts_unsupported(module)) is not None:
+            refused[path] = reason
+        else:
+            layers[type(module)] = grouped_expert_lora_class()
+    return layers, refused

@@ -21,6 +21,7 @@ from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError
 from tuneforge.model.adapters import exact_targets
 from tuneforge.model.build import DTYPES
+from tuneforge.model.expert_lora import grouped_layers
 from tuneforge.model.portable_adapter import ADAPTER_CONFIG
 from tuneforge.model.quantize import bitsandbytes_config, keep_training_layout
 from tuneforge.train.checkpoint import checkpoint_problems, read_chat_meta
@@ -116,7 +117,7 @@ def _load_base(path: str, adapter_meta: dict[str, Any], dequantize: bool) -> Pre
 def load_trained(checkpoint: Path, base: Path | None = None, merge: bool = False) -> Trained:
     """The trained model in float32 on CPU. With `merge`, adapters are folded into (dequantized) base weights
     and a plain `transformers` model is returned."""
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
 
     transformers.utils.logging.disable_progress_bar()
     check_checkpoint(checkpoint)
@@ -127,8 +128,14 @@ def load_trained(checkpoint: Path, base: Path | None = None, merge: bool = False
         return Trained(model.eval(), tokenizer, meta, None)
     base_path = adapter_base(checkpoint, base)
     base_model = _load_base(base_path, meta.get("adapter", {}), dequantize=merge)
+    config = PeftConfig.from_pretrained(checkpoint)
+    if not merge and getattr(config, "target_parameters", None):
+        # Adapters on stacked experts run as in training: grouped low-rank products, no W + B·A per token.
+        layers, _ = grouped_layers(base_model, config.target_parameters)
+        if layers:
+            config._register_custom_module(layers)
     with exact_targets(base_model):
-        model = PeftModel.from_pretrained(base_model, checkpoint)
+        model = PeftModel.from_pretrained(base_model, checkpoint, config=config)
     if merge:
         model = model.merge_and_unload()
     return Trained(model.eval(), tokenizer, meta, base_path)
