@@ -109,13 +109,21 @@ def exact_targets(model: nn.Module) -> Iterator[None]:
             del config.model_type
 
 
+def _expert_forms(
+    model: nn.Module, settings: LoraSettings, targets: LoraTargets
+) -> tuple[dict[type, type], dict[str, str]]:
+    """The PEFT custom-layer mapping for the targeted stacked experts that run as grouped low-rank products,
+    and the experts modules (by path) that keep PEFT's form, with why."""
+    if not settings.grouped_experts:
+        paths = sorted({name.rsplit(".", 1)[0] for name in targets.parameters})
+        return {}, {path: "model.lora.grouped_experts is false" for path in paths}
+    return grouped_layers(model, targets.parameters)
+
+
 def stacked_experts_in_peft_form(model: nn.Module, settings: LoraSettings, targets: LoraTargets) -> dict[str, str]:
     """Experts modules (by path) whose targeted stacked weights keep PEFT's full-size W + B·A form, and why;
     the others run their adapters as grouped low-rank products."""
-    if not settings.grouped_experts:
-        paths = sorted({name.rsplit(".", 1)[0] for name in targets.parameters})
-        return {path: "model.lora.grouped_experts is false" for path in paths}
-    return grouped_layers(model, targets.parameters)[1]
+    return _expert_forms(model, settings, targets)[1]
 
 
 def grouped_expert_layers(
@@ -125,7 +133,7 @@ def grouped_expert_layers(
     note on where it does not apply. Refuses dropout where PEFT's own wrapper would have to take it."""
     if not targets.parameters:
         return {}, ""
-    peft_form = stacked_experts_in_peft_form(model, settings, targets)
+    layers, peft_form = _expert_forms(model, settings, targets)
     if peft_form and settings.dropout:
         path, reason = next(iter(peft_form.items()))
         raise UserError(
@@ -133,10 +141,6 @@ def grouped_expert_layers(
             f"{path} ({reason}): PEFT's W + B·A form has no input to drop. Set model.lora.dropout: 0, or "
             "model.lora.experts: false to keep dropout on the other layers"
         )
-    if not settings.grouped_experts:
-        layers = {}
-    else:
-        layers, _ = grouped_layers(model, targets.parameters)
     if peft_form:
         path, reason = next(iter(peft_form.items()))
         note = f"; stacked experts of {len(peft_form)} MoE block(s) in PEFT's full-size W + B·A form ({path}: {reason})"
