@@ -4,21 +4,22 @@
 
 One DeepSeek-V2-Lite layer with the real MoE shapes (hidden 2048, 64 routed experts of 1408, top-6, 2 shared;
 MLA attention; a 1,024-token vocabulary so the head costs little), random weights, LoRA r=64 on every linear
-layer. Three contenders, each in its own process so that peak memory is its own:
+layer. Four contenders, each in its own process so that peak memory is its own:
   - `no expert adapters`: `model.lora.experts: false` (the floor);
   - `experts, PEFT form`: adapters on the stacked experts as PEFT computes them (`grouped_experts: false`);
-  - `experts, grouped`: the same adapters as grouped low-rank products (tuneforge's default).
+  - `experts, grouped`: the same adapters as grouped low-rank products (tuneforge's default);
+  - `4-bit experts, grouped`: the same, with the stacked experts stored in NF4 with double quantization as
+    QLoRA stores them (the other weights stay as they are, to isolate the experts).
 It prints the median time of a forward and backward over one row of `--tokens` tokens after one warm-up,
-tokens/s, peak memory (CUDA: allocated; CPU: the process's resident set), the ratios against the PEFT form,
-and the largest difference between the two forms' logits (the same adapter weights in both). fp32 on CPU,
-bf16 on CUDA.
+tokens/s, peak memory during those steps (CUDA: allocated; CPU: the process's resident set, its high-water
+mark reset after set-up), the ratios against the PEFT form, and the largest difference between the two
+forms' logits (the same adapter weights in both). fp32 on CPU, bf16 on CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,7 @@ CONTENDERS = {
     "no expert adapters": {"experts": False},
     "experts, PEFT form": {"experts": True, "grouped_experts": False},
     "experts, grouped": {"experts": True, "grouped_experts": True},
+    "4-bit experts, grouped": {"experts": True, "grouped_experts": True, "quantize_experts": True},
 }
 
 
@@ -61,6 +63,12 @@ def build(layers: int, rank: int, lora: dict, device: str, dtype: torch.dtype):
     )
     with torch.device(device):
         model = DeepseekV2ForCausalLM(config).to(dtype)
+    lora = dict(lora)
+    if lora.pop("quantize_experts", False):
+        from tuneforge.config.schema import QuantizationConfig
+        from tuneforge.model.quantized_experts import quantize_stacked_experts
+
+        quantize_stacked_experts(model, QuantizationConfig(bits=4, compute_dtype=str(dtype).split(".")[-1]), dtype)
     settings = LoraSettings(r=rank, alpha=2 * rank, dropout=0.0, **lora)
     model, notes = make_trainable(model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
     generator = torch.Generator().manual_seed(1)
@@ -76,6 +84,11 @@ def worker(args: argparse.Namespace) -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, note = build(args.layers, args.rank, CONTENDERS[args.contender], device, dtype)
     ids = torch.randint(0, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(2)).to(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as refs:  # Linux: the resident high-water mark starts again here
+            refs.write("5")
     times, logits = [], None
     for _ in range(args.steps + 1):
         model.zero_grad(set_to_none=True)
@@ -92,7 +105,9 @@ def worker(args: argparse.Namespace) -> None:
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with open("/proc/self/status") as status_file:
+            status = dict(line.split(":", 1) for line in status_file.read().splitlines())
+        peak = int(status["VmHWM"].split()[0]) * 1024
     step = statistics.median(times[1:])
     print(json.dumps({"step_s": step, "peak": peak, "note": note, "device": device}))
 
@@ -139,6 +154,9 @@ def main() -> None:
         )
     difference = (logits["experts, grouped"] - logits["experts, PEFT form"]).abs().max().item()
     print(f"\nlargest |logit difference| grouped vs PEFT form: {difference:.2e}")
+    error = (logits["4-bit experts, grouped"] - logits["experts, grouped"]).abs().max().item()
+    scale = logits["experts, grouped"].abs().max().item()
+    print(f"largest |logit difference| 4-bit experts vs full precision: {error:.2e} (NF4; |logits| <= {scale:.2f})")
 
 
 if __name__ == "__main__":

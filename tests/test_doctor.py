@@ -61,12 +61,21 @@ def test_qlora_storage_that_zero3_cannot_shard_fails(tokenizer):
     assert verdicts(cfg, tokenizer, "ddp")["QLoRA storage dtype"].status == PASS
 
 
-def test_4bit_that_leaves_stacked_experts_unquantized_warns(tokenizer):
-    """transformers 5 keeps MoE experts as stacked parameters, which bitsandbytes does not quantize."""
-    model = {**DEEPSEEK, "lora": {}, "quantization": {}}
-    cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
-    check = verdicts(cfg, tokenizer)["quantized share"]
-    assert check.status == WARN and "MoE experts stored as stacked parameters" in check.detail
+def test_quantized_share_counts_4bit_stacked_experts_and_warns_where_they_stay_unquantized(tokenizer):
+    """transformers 5 keeps MoE experts as stacked parameters, which bitsandbytes' loader does not quantize:
+    tuneforge stores them in 4 bits itself; 8 bits (and skip_modules) leave them in full precision."""
+
+    def share(**quantization):
+        model = {**DEEPSEEK, "lora": {}, "quantization": quantization}
+        return verdicts(Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}}), tokenizer)[
+            "quantized share"
+        ]
+
+    four = share()
+    # 1 MoE layer of 4 experts: gate_up 4x32x32 + down 4x32x16 = 6,144 values.
+    assert four.status == PASS and "stored in 4 bits (0.01M of them stacked MoE experts)" in four.detail
+    for unquantized in (share(bits=8), share(skip_modules=["experts"])):
+        assert unquantized.status == WARN and "stacked MoE experts, which only 4 bits cover" in unquantized.detail
     dense = {
         "architecture": "llama",
         "tokenizer": "bytes",
@@ -76,6 +85,19 @@ def test_4bit_that_leaves_stacked_experts_unquantized_warns(tokenizer):
     }
     cfg = Config.model_validate({"model": dense, "data": {"train_files": ["x.jsonl"]}})
     assert verdicts(cfg, tokenizer)["quantized share"].status == PASS
+
+
+def test_adapters_on_4bit_experts_in_peft_form_fail_before_loading(tokenizer):
+    def check(lora, **quantization):
+        model = {**DEEPSEEK, "lora": {"r": 8, "experts": True, **lora}, "quantization": quantization}
+        cfg = Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}})
+        return verdicts(cfg, tokenizer)["adapters on 4-bit experts"]
+
+    assert check({}).status == PASS
+    refused = check({"grouped_experts": False})
+    assert refused.status == FAIL and "model.lora.grouped_experts is false" in refused.detail
+    assert check({"grouped_experts": False}, skip_modules=["experts"]).status == PASS
+    assert check({"grouped_experts": False}, bits=8).status == PASS
 
 
 def test_expert_adapters_with_parameter_offload_warn_with_a_cost(tokenizer):

@@ -203,6 +203,8 @@ def test_qlora_loss_falls(tmp_path, capsys, architecture, size):
     run_training(load_config(tmp_path / "cfg.yaml"), tmp_path / "run")
     out = capsys.readouterr().out
     assert "quantization: base weights 4-bit nf4, double quant, compute float32" in out
+    # The routed experts, stacked 3-D parameters, are quantized too (bitsandbytes' loader skips them).
+    assert ("the stacked experts of 1 MoE block(s) too" in out) == (architecture == "deepseek_v2")
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
 

@@ -25,7 +25,8 @@ from tuneforge.errors import UserError
 from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_estimate, local_accelerator
 from tuneforge.model.expert_lora import grouped_experts_unsupported
 from tuneforge.model.moe import MoEMap, find_moe
-from tuneforge.model.quantize import quantized_linears
+from tuneforge.model.quantize import matches_module_name, quantized_linears
+from tuneforge.model.quantized_experts import stacked_numel
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -119,15 +120,20 @@ def check_quantized_share(cfg: Config, skeleton: nn.Module | None) -> Check:
     name = "quantized share"
     if cfg.model.quantization is None or skeleton is None:
         return Check(name, PASS, "no k-bit weights" if cfg.model.quantization is None else "structure not readable")
-    quantized = sum(module.weight.numel() for _, module in quantized_linears(skeleton, cfg.model.quantization))
+    settings = cfg.model.quantization
+    quantized = sum(module.weight.numel() for _, module in quantized_linears(skeleton, settings))
+    stacked = stacked_numel(skeleton, settings)
     total = sum(p.numel() for p in skeleton.parameters())
-    share = quantized / total
-    detail = f"{_count(quantized)} of {_count(total)} parameters ({share:.0%}) are in layers bitsandbytes quantizes"
+    share = (quantized + stacked) / total
+    stored = _count(quantized + stacked)
+    detail = f"{stored} of {_count(total)} parameters ({share:.0%}) are stored in {settings.bits} bits"
+    if stacked:
+        detail += f" ({_count(stacked)} of them stacked MoE experts)"
     if share < 0.5:
         return Check(
             name,
             WARN,
-            detail + "; the rest (MoE experts stored as stacked parameters, embeddings) stay in "
+            detail + "; the rest (embeddings; stacked MoE experts, which only 4 bits cover) stay in "
             f"{cfg.model.dtype}, so k-bit loading saves little memory on this model",
             "budget memory for the unquantized part, or shard it (ZeRO-3 / FSDP) instead of relying on 4-bit",
         )
@@ -199,6 +205,33 @@ def check_expert_dropout(cfg: Config, moe: MoEMap) -> Check:
         f"model.lora.dropout={lora.dropout:g} with adapters on {len(stacked)} MoE blocks of stacked experts, and "
         f"{why}: PEFT's own W + B@A form cannot apply dropout to the input, and refuses",
         "set model.lora.dropout=0, or model.lora.experts=false",
+    )
+
+
+def check_quantized_expert_form(cfg: Config, moe: MoEMap) -> Check:
+    """PEFT's W + B@A form cannot run on 4-bit stacked experts (training refuses it): say so before loading."""
+    name = "adapters on 4-bit experts"
+    lora, quantization = cfg.model.lora, cfg.model.quantization
+    if lora is None or not lora.experts or quantization is None or quantization.bits != 4:
+        return Check(name, PASS, "no adapters on 4-bit stacked experts")
+    stacked = [
+        b for b in moe if b.layout == "stacked" and not matches_module_name(b.experts_path, quantization.skip_modules)
+    ]
+    if not stacked:
+        return Check(name, PASS, "no 4-bit stacked experts")
+    if lora.grouped_experts:
+        reasons = [r for b in stacked if (r := grouped_experts_unsupported(b.module.get_submodule(b.experts_name)))]
+        if not reasons:
+            return Check(name, PASS, f"{len(stacked)} MoE blocks: grouped low-rank products on dequantized experts")
+        why = f"their experts cannot run as grouped low-rank products ({reasons[0]})"
+    else:
+        why = "model.lora.grouped_experts is false"
+    return Check(
+        name,
+        FAIL,
+        f"adapters on the 4-bit stacked experts of {len(stacked)} MoE blocks, and {why}: PEFT's W + B@A form "
+        "leaves its delta attached to a 4-bit weight after every forward, so training refuses it",
+        "set model.lora.grouped_experts=true, or list the experts in model.quantization.skip_modules",
     )
 
 
@@ -421,6 +454,7 @@ def run_checks(
         check_remote_code(cfg, model_config),
         check_expert_adapters(cfg, moe),
         check_expert_dropout(cfg, moe),
+        check_quantized_expert_form(cfg, moe),
         check_dtype(cfg, skeleton),
         check_cpu_precision(cfg, torch.cuda.is_available() or accelerator is not None),
         check_samples(cfg, world_size, num_samples),

@@ -1,6 +1,6 @@
 """CUDA-only checks of the GPU hot path (skipped without a GPU; `make gpu-test` runs them): PyTorch's varlen
 kernel equals masked SDPA for packed rows, packed equals unpacked, the fused loss equals the logits path, and a
-micro-step makes no host synchronisation."""
+micro-step makes no host synchronisation, also with 4-bit stacked experts."""
 
 from __future__ import annotations
 
@@ -122,5 +122,38 @@ def test_grouped_expert_adapters_equal_peft_form_in_bf16_without_host_synchronis
     torch.cuda.set_sync_debug_mode("error")  # the per-expert fallback would read counts on the host
     try:
         grouped(input_ids=ids).logits.float().pow(2).mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_4bit_experts_on_cuda_compute_with_their_dequantized_values_without_host_synchronisation(tokenizer):
+    """bitsandbytes' CUDA kernels rebuild the 4-bit stacked experts (bf16, grouped_mm) in forward and backward."""
+    from tuneforge.config.schema import QuantizationConfig
+    from tuneforge.model.quantized_experts import dequantize_stacked_experts, quantize_stacked_experts
+
+    from conftest import tiny_qwen3_moe
+
+    settings = QuantizationConfig(bits=4, compute_dtype="bfloat16")
+    models = []
+    for _ in range(2):
+        model = tiny_qwen3_moe(tokenizer).to(CUDA, torch.bfloat16)
+        assert quantize_stacked_experts(model, settings, torch.bfloat16) > 0
+        models.append(model)
+    quantized, reference = models
+    dequantize_stacked_experts(reference)
+    reference.set_experts_implementation("grouped_mm")
+    ids = torch.randint(3, len(tokenizer), (2, 64), generator=torch.Generator().manual_seed(2)).to(CUDA)
+    embeddings = [m.get_input_embeddings() for m in models]
+    for e in embeddings:
+        e.weight.requires_grad_(True)
+    outputs = [m(input_ids=ids).logits.float() for m in models]
+    torch.testing.assert_close(outputs[0], outputs[1], atol=3e-2, rtol=3e-2)
+    for out in outputs:
+        out.pow(2).mean().backward()
+    torch.testing.assert_close(embeddings[0].weight.grad, embeddings[1].weight.grad, atol=3e-2, rtol=5e-2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        quantized(input_ids=ids).logits.float().pow(2).mean().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -77,7 +77,8 @@ class QuantizationConfig(Section):
     (they can only shard floating-point parameters), else uint8."""
 
     skip_modules: list[str] = Field(default_factory=list)
-    """Module names kept in full precision besides the output head (suffix match, like `targets`)."""
+    """Module names kept in full precision besides the output head (suffix match, like `targets`). With 4
+    bits, the stacked routed experts are quantized too unless their module is named here (e.g. `experts`)."""
 
 
 class ModelConfig(Section):

@@ -126,7 +126,10 @@ def memory_use(
 
     total_params = s.quantized + s.frozen + s.trainable
     if quantization is not None:  # loaded onto each GPU, the rest upcast to fp32 before the engine casts it
-        load_gpu, load_host = s.quantized * kbit + (s.frozen + s.trainable) * 4, 0.0
+        # Stacked experts arrive in the model's dtype and are quantized once all weights are loaded.
+        rest = s.frozen + s.trainable
+        loaded = (s.quantized - s.stacked_quantized) * kbit + (s.stacked_quantized + rest) * model_bytes
+        load_gpu, load_host = max(loaded, s.quantized * kbit + rest * 4), 0.0
     else:  # each rank reads the whole model into host RAM; the engine moves it whole to its GPU to shard it
         load_host = per_node * total_params * model_bytes
         load_gpu = total_params * model_bytes if sharded_engine and not offload_weights else 0.0

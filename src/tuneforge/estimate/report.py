@@ -13,6 +13,7 @@ from tuneforge.estimate.timing import (
     BASE_MFU,
     CPU_ADAM_PARAMS_PER_S,
     DELTA_BYTES,
+    DEQUANTIZE_BYTES,
     EXPERT_EFFICIENCY,
     GATHER_PASSES,
     NETWORK_BYTES_PER_S,
@@ -88,6 +89,12 @@ def assumptions(cfg: Config, traits: EngineTraits, s: ModelShapes) -> list[str]:
         notes.append(
             "adapters on stacked experts (PEFT target_parameters) form W + B@A for every expert on every pass "
             f"(~{DELTA_BYTES} bytes of GPU memory traffic per value) and keep it for backward"
+        )
+    if s.stacked_quantized:
+        notes.append(
+            "4-bit stacked experts: the whole stack rebuilt in the compute dtype on every pass (forward, backward, "
+            f"recompute), ~{DEQUANTIZE_BYTES} bytes of GPU memory traffic per value; loaded in the model's dtype "
+            "before they are quantized"
         )
     if cfg.model.quantization is not None:
         notes.append(

@@ -13,6 +13,7 @@ from tuneforge.config.schema import Config
 from tuneforge.model.adapters import resolve_lora_targets, stacked_experts_in_peft_form
 from tuneforge.model.moe import MoEBlock, MoEMap
 from tuneforge.model.quantize import matches_module_name, quantized_linears
+from tuneforge.model.quantized_experts import quantizable_weights
 from tuneforge.model.structure import decoder_layers
 
 QUANT_BLOCK = 64  # bitsandbytes 4-bit: one absmax constant per 64 weights (fp32, or 8-bit with double quant)
@@ -36,6 +37,8 @@ class ModelShapes:
     """Parameters a token multiplies with (routed experts by their top-k share, no input embedding)."""
     active_quantized: float
     active_routed: float
+    stacked_quantized: int
+    """Values of 4-bit stacked expert weights: each pass dequantizes all of them, whatever the tokens."""
     active_trainable: float
     layers: int
     hidden: int
@@ -81,9 +84,12 @@ def _saved_values(param: nn.Parameter, activity: float) -> float:
 def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int) -> ModelShapes:
     share = _activity(model, moe)
     quantization = cfg.model.quantization
-    quantized_ids = set()
+    quantized_ids, stacked_quantized_ids = set(), set()
     if quantization is not None:
         quantized_ids = {id(module.weight) for _, module in quantized_linears(model, quantization)}
+        stacked_quantized_ids = {id(p) for p in quantizable_weights(model, quantization)}
+    linear_quantized_ids = set(quantized_ids)
+    quantized_ids |= stacked_quantized_ids
     params = list(model.parameters())
     active = {id(p): share.get(id(p), 1.0) * p.numel() for p in params}
     routed_ids = {id(p) for _, p in _routed_parameters(model, moe)}
@@ -154,8 +160,10 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
         stacked_adapted=sum(p.numel() for p in stacked),
         stacked_layers=sum(1 for layer in layers if any(id(p) in stacked_ids for p in layer.parameters())),
         active=sum(active.values()),
-        active_quantized=sum(v for k, v in active.items() if k in quantized_ids),
-        active_routed=sum(v for k, v in active.items() if k in routed_ids and k not in quantized_ids),
+        # 4-bit stacked experts still multiply as routed experts; their dequantization is counted apart.
+        active_quantized=sum(v for k, v in active.items() if k in linear_quantized_ids),
+        active_routed=sum(v for k, v in active.items() if k in routed_ids and k not in linear_quantized_ids),
+        stacked_quantized=sum(p.numel() for p in params if id(p) in stacked_quantized_ids),
         active_trainable=sum(v for k, v in active.items() if k in trainable_ids)
         + sum(share.get(id(p), 1.0) * p.numel() for p in stacked),
         layers=len(layers),

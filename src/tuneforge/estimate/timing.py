@@ -13,6 +13,7 @@ QUANTIZED_EFFICIENCY = 0.5  # k-bit layers dequantize their weight before each m
 EXPERT_EFFICIENCY = 0.5  # routed experts: many small per-expert matmuls plus token gather/scatter: about half
 GATHER_PASSES = 2  # sharded weights are gathered for forward and again for backward (recompute reuses it)
 DELTA_BYTES = 16  # per stacked expert weight value and pass: fp32 delta B@A written, cast, added to W
+DEQUANTIZE_BYTES = 4.5  # per 4-bit expert value and pass: half a byte read, bf16 written, read again by the matmul
 PCIE_BYTES_PER_S = 25e9  # host <-> GPU per GPU with pinned memory (PCIe Gen4 x16 in practice; Gen5 up to ~50)
 NVLINK_BYTES_PER_S = 200e9  # all-gather/reduce-scatter bandwidth per GPU inside one NVLink node, per-layer sizes
 NETWORK_BYTES_PER_S = 40e9  # the same across nodes: one 400 Gb/s NIC per GPU
@@ -59,6 +60,18 @@ def step_times(
             ("expert adapter deltas", delta, f"{count_label(s.stacked_adapted)} values formed {delta_passes}x")
         )
         gpu_s += delta
+    if s.stacked_quantized:  # every pass rebuilds the whole 4-bit expert stack: memory-bound on the GPU
+        dequantize_passes = 2 + (1 if train.gradient_checkpointing else 0)  # forward, backward, recompute
+        bytes_per_pass = DEQUANTIZE_BYTES * s.stacked_quantized
+        dequantize = micro * dequantize_passes * bytes_per_pass / (accelerator.memory_bytes_per_s or 2e12)
+        times.append(
+            (
+                "expert dequantization",
+                dequantize,
+                f"{count_label(s.stacked_quantized)} values rebuilt {dequantize_passes}x",
+            )
+        )
+        gpu_s += dequantize
 
     sharded3 = traits.sharded
     gather_bytes = s.quantized * kbit + (s.frozen + s.trainable) * compute_bytes

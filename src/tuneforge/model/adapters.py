@@ -21,6 +21,7 @@ from tuneforge.errors import UserError
 from tuneforge.model.expert_lora import grouped_layers
 from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.quantize import matches_module_name
+from tuneforge.model.quantized_experts import plain_for_peft, quantized_experts_count
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,14 @@ def grouped_expert_layers(
     if not targets.parameters:
         return {}, ""
     layers, peft_form = _expert_forms(model, settings, targets)
+    quantized = [path for path in peft_form if quantized_experts_count(model.get_submodule(path))]
+    if quantized:
+        raise UserError(
+            f"model.lora: the stacked experts of {quantized[0]} are stored in 4 bits, where PEFT's W + B·A form "
+            f"({peft_form[quantized[0]]}) cannot run: it leaves its delta attached to the weight after every "
+            "forward. Set model.lora.grouped_experts: true, or keep those experts in full precision with "
+            f"model.quantization.skip_modules: [{quantized[0].rsplit('.', 1)[-1]}]"
+        )
     if peft_form and settings.dropout:
         path, reason = next(iter(peft_form.items()))
         raise UserError(
@@ -168,7 +177,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap | None = No
     )
     if custom_layers:
         config._register_custom_module(custom_layers)
-    with exact_targets(model):
+    with exact_targets(model), plain_for_peft(model):
         peft_model = get_peft_model(model, config)
     return (
         peft_model,
@@ -214,7 +223,9 @@ def make_trainable(
         )
         q = cfg.quantization
         kind = f"{q.bits}-bit" + (f" {q.quant_type}{', double quant' if q.double_quant else ''}" if q.bits == 4 else "")
-        notes.append(f"quantization: base weights {kind}, compute {q.compute_dtype}")
+        experts = quantized_experts_count(model)
+        stacked = f"; the stacked experts of {experts} MoE block(s) too" if experts else ""
+        notes.append(f"quantization: base weights {kind}, compute {q.compute_dtype}{stacked}")
     elif gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
     if gradient_checkpointing:

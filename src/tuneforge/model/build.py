@@ -22,7 +22,14 @@ from tuneforge.data.byte_tokenizer import build_byte_tokenizer
 from tuneforge.distributed import DistInfo, barrier
 from tuneforge.errors import UserError
 from tuneforge.model import packed_attention
-from tuneforge.model.quantize import bitsandbytes_config, check_cpu_kernel_sizes, keep_training_layout, stored_numel
+from tuneforge.model.quantize import (
+    bitsandbytes_config,
+    check_cpu_kernel_sizes,
+    keep_training_layout,
+    storage_dtype,
+    stored_numel,
+)
+from tuneforge.model.quantized_experts import quantize_stacked_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -123,6 +130,8 @@ def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: boo
         ) from None
     if cfg.quantization is not None:
         keep_training_layout(model)
+        if cfg.quantization.bits == 4:
+            quantize_stacked_experts(model, cfg.quantization, storage_dtype(cfg.quantization, sharded_engine))
     return model
 
 

@@ -26,6 +26,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.parametrize import type_before_parametrizations
+
+from tuneforge.model.quantized_experts import (
+    dequantizing_matmul,
+    has_stacked_layout,
+    only_quantized,
+    stacked_weight_names,
+    weight_dtype,
+)
 
 GROUPED_MM_ALIGNMENT = 16
 """Bytes: grouped_mm's kernels need every non-unit stride and the data pointers on this boundary."""
@@ -38,9 +47,8 @@ def grouped_experts_unsupported(experts: nn.Module) -> str | None:
         return f"{type(experts).__name__} does not describe its layout (not a transformers experts class)"
     if getattr(experts, "_is_expert_parallel", False):
         return "experts are split across ranks (expert parallelism)"
-    first = "gate_up_proj" if experts.has_gate else "up_proj"
-    if not all(isinstance(getattr(experts, n, None), nn.Parameter) for n in (first, "down_proj")):
-        return f"{type(experts).__name__} has no stacked {first} and down_proj weights"
+    if not has_stacked_layout(experts):
+        return f"{type(experts).__name__} has no stacked {' and '.join(stacked_weight_names(experts))} weights"
     return None
 
 
@@ -113,17 +121,22 @@ def grouped_experts_forward(
     """What `experts(hidden_states, top_k_index, top_k_weights)` computes with W + s·B·A in place of each adapted
     weight W, computed as x·W + s·(dropout(x)·A)·B. `adapters`: parameter name -> (A, B, s, dropout)."""
     device_type = hidden_states.device.type
-    weight_dtype = experts.down_proj.dtype
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight_dtype
+    stored = weight_dtype(experts, "down_proj")
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else stored
     num_tokens, top_k = top_k_index.shape
     expert_of_pair = top_k_index.reshape(-1)
     order = torch.argsort(expert_of_pair, stable=True)
     groups = _Groups(expert_of_pair[order], experts.num_experts)
     rows = hidden_states[order // top_k].to(dtype)
 
+    def weight(name: str) -> torch.Tensor:
+        return _as_in_out(getattr(experts, name), experts.is_transposed).to(dtype)
+
     def project(name: str, x: torch.Tensor) -> torch.Tensor:
-        weight = _as_in_out(getattr(experts, name), experts.is_transposed).to(dtype)
-        out = groups.matmul(x, weight)
+        if only_quantized(experts, name):
+            out = dequantizing_matmul(x, groups.matmul, lambda: weight(name))
+        else:
+            out = groups.matmul(x, weight(name))
         if experts.has_bias:
             out = out + getattr(experts, f"{name}_bias")[expert_of_pair[order]].to(dtype)
         if name in adapters:
@@ -170,7 +183,7 @@ def _grouped_wrapper_class() -> type:
                 if layer.disable_adapters or layer.merged or len(active) > 1 or kwargs.get("adapter_names"):
                     return super().forward(x, *args, **kwargs)  # PEFT's own path for its other modes
                 if active:
-                    dtype = layer.get_param().dtype
+                    dtype = weight_dtype(layer.get_base_layer(), layer.parameter_name)
                     down, up, scaling = _low_rank(layer, active[0], dtype)
                     adapters[layer.parameter_name] = (down, up, scaling, layer.lora_dropout[active[0]])
                 layer = layer.base_layer
@@ -202,5 +215,6 @@ def grouped_layers(model: nn.Module, parameter_names: list[str]) -> tuple[dict[t
         if (reason := grouped_experts_unsupported(module)) is not None:
             refused[path] = reason
         else:
-            layers[type(module)] = grouped_expert_lora_class()
+            # The class before any parametrization (4-bit weights): PEFT matches it by isinstance.
+            layers[type_before_parametrizations(module)] = grouped_expert_lora_class()
     return layers, refused

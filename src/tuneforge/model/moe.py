@@ -13,6 +13,7 @@ parameters are kept as names and shapes (sharding replaces the tensors).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -105,13 +106,31 @@ class MoEMap:
         return f"moe: {len(self.blocks)} blocks ({classes}), {experts} routed experts each ({layouts}), {routings}"
 
 
+_PARAMETRIZED = re.compile(r"parametrizations\.([^.]+)\.original$")
+
+
+def code_name(name: str) -> str:
+    """A parameter's name as modeling code reads it: a parametrized weight (4-bit stacked experts) is stored as
+    `parametrizations.<name>.original` but read as `<name>`."""
+    return _PARAMETRIZED.sub(r"\1", name)
+
+
+def _own_weights(module: nn.Module) -> list[nn.Parameter]:
+    """A module's own parameters, parametrized ones included."""
+    params = list(module.parameters(recurse=False))
+    if hasattr(module, "parametrizations"):
+        params += [plist.original for plist in module.parametrizations.values()]
+    return params
+
+
 def _expert_count(child: nn.Module) -> tuple[int, str] | None:
     if isinstance(child, nn.ModuleList) and len(child) >= 2:
         shapes = {tuple((n, tuple(p.shape)) for n, p in expert.named_parameters()) for expert in child}
         if len({type(expert) for expert in child}) == 1 and len(shapes) == 1 and shapes != {()}:
             return len(child), "list"
         return None
-    stacked = {p.shape[0] for p in child.parameters(recurse=False) if p.ndim == 3}
+    shapes = [logical_shape(p) for p in _own_weights(child)]
+    stacked = {shape[0] for shape in shapes if len(shape) == 3}
     if len(stacked) == 1 and (count := stacked.pop()) >= 2:
         return count, "stacked"
     return None
@@ -184,7 +203,7 @@ def find_moe(model: nn.Module) -> MoEMap:
                 router_name=routers[0],
                 router=router,
                 experts_name=experts_name,
-                expert_shapes=tuple((n, logical_shape(p)) for n, p in experts.named_parameters()),
+                expert_shapes=tuple((code_name(n), logical_shape(p)) for n, p in experts.named_parameters()),
                 expert_numel=sum(stored_numel(p) for p in experts.parameters()),
                 top_k=int(top_k) if top_k else None,
                 routing=_routing(router, config, int(top_k) if top_k else None),

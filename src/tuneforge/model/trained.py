@@ -23,7 +23,8 @@ from tuneforge.model.adapters import exact_targets
 from tuneforge.model.build import DTYPES
 from tuneforge.model.expert_lora import grouped_layers
 from tuneforge.model.portable_adapter import ADAPTER_CONFIG
-from tuneforge.model.quantize import bitsandbytes_config, keep_training_layout
+from tuneforge.model.quantize import bitsandbytes_config, keep_training_layout, storage_dtype
+from tuneforge.model.quantized_experts import dequantize_stacked_experts, plain_for_peft, quantize_stacked_experts
 from tuneforge.train.checkpoint import checkpoint_problems, read_chat_meta
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -107,9 +108,13 @@ def _load_base(path: str, adapter_meta: dict[str, Any], dequantize: bool) -> Pre
         quantization_config=bitsandbytes_config(settings, sharded_engine=False),
         device_map={"": "cpu"},
     )
+    if settings.bits == 4:
+        quantize_stacked_experts(model, settings, storage_dtype(settings, sharded_engine=False))
     if dequantize:
         # The exact values the adapter was trained against, as plain float32 weights.
-        return model.dequantize()
+        model = model.dequantize()
+        dequantize_stacked_experts(model)
+        return model
     keep_training_layout(model)  # the same kernels as in training, so chat answers as the samples did
     return model
 
@@ -134,7 +139,7 @@ def load_trained(checkpoint: Path, base: Path | None = None, merge: bool = False
         layers, _ = grouped_layers(base_model, config.target_parameters)
         if layers:
             config._register_custom_module(layers)
-    with exact_targets(base_model):
+    with exact_targets(base_model), plain_for_peft(base_model):
         model = PeftModel.from_pretrained(base_model, checkpoint, config=config)
     if merge:
         model = model.merge_and_unload()

@@ -1,0 +1,180 @@
+"""4-bit stacked routed experts: stored in bitsandbytes' 4-bit format, read as their dequantized values by
+transformers' code, PEFT and tuneforge's grouped adapters alike, and never kept dequantized for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bitsandbytes.nn import Params4bit
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from tuneforge.config.schema import LoraSettings, ModelConfig, QuantizationConfig
+from tuneforge.errors import UserError
+from tuneforge.model.adapters import make_trainable
+from tuneforge.model.moe import find_moe
+from tuneforge.model.quantized_experts import (
+    EXPERTS_IMPLEMENTATION,
+    dequantize_stacked_experts,
+    quantize_stacked_experts,
+    quantized_experts_count,
+    stacked_numel,
+    stacked_weight_names,
+)
+from tuneforge.train.checkpoint import write_model_files
+
+from conftest import tiny_deepseek_v2, tiny_mixtral, tiny_qwen3_moe
+
+BUILDERS = {"deepseek_v2": tiny_deepseek_v2, "mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe}
+SETTINGS = QuantizationConfig(bits=4, quant_type="nf4", double_quant=True, compute_dtype="float32")
+
+
+def experts_modules(model):
+    return [model.get_submodule(block.experts_path) for block in find_moe(model)]
+
+
+def quantized(build, tokenizer, storage=torch.float32):
+    """The tiny model with its stacked experts in 4 bits, and a plain copy whose expert weights hold the
+    dequantized values (what the quantized model must compute with)."""
+    model = build(tokenizer).float()
+    full = {id(e): {n: getattr(e, n).detach().clone() for n in stacked_weight_names(e)} for e in experts_modules(model)}
+    originals = list(full.values())
+    assert quantize_stacked_experts(model, SETTINGS, storage) == len(originals) > 0
+    # Built again rather than copied: removing a parametrization from a deep copy also removes it from the class
+    # the copy shares with the original.
+    reference = build(tokenizer).float()
+    quantize_stacked_experts(reference, SETTINGS, storage)
+    assert dequantize_stacked_experts(reference) == 2 * len(originals)
+    reference.set_experts_implementation("grouped_mm")
+    return model, reference, originals
+
+
+@pytest.mark.parametrize("arch", BUILDERS)
+def test_stacked_experts_are_stored_in_4_bits_and_compute_with_their_dequantized_values(tokenizer, arch):
+    model, reference, originals = quantized(BUILDERS[arch], tokenizer)
+    assert model.config._experts_implementation == EXPERTS_IMPLEMENTATION
+    assert quantized_experts_count(model) == len(originals) and quantized_experts_count(reference) == 0
+    for experts, ref, original in zip(experts_modules(model), experts_modules(reference), originals, strict=True):
+        for name, weight in original.items():
+            stored = experts.parametrizations[name].original
+            assert isinstance(stored, Params4bit) and not stored.requires_grad
+            # Two 4-bit values per byte, here in float32 storage: 1/8 of the float32 weight, plus constants.
+            assert stored.numel() * stored.element_size() == weight.numel() // 2
+            values = getattr(ref, name)
+            assert values.shape == weight.shape and values.dtype == torch.float32
+            assert torch.equal(getattr(experts, name), values)
+            # NF4: close to the original, not equal to it.
+            assert 0 < (values - weight).abs().max() < 0.25 * weight.abs().max()
+    # The MoE map sees the stacked weights under their own names and full shapes.
+    assert find_moe(model).summary() == find_moe(reference).summary()
+    ids = torch.randint(3, len(tokenizer), (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def saved_sizes(run) -> list[int]:
+    """Sizes of the tensors autograd keeps for backward while `run()` computes."""
+    sizes = []
+
+    def pack(tensor):
+        sizes.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    return sizes, out
+
+
+def test_backward_dequantizes_again_instead_of_keeping_the_full_weight(tokenizer):
+    """Reading a 4-bit weight dequantizes it; a plain matmul would keep that full-size copy until backward, as
+    large as the unquantized experts. The experts' input gradients still equal the dequantized model's."""
+    model, reference, _ = quantized(tiny_qwen3_moe, tokenizer)
+    experts, ref = experts_modules(model)[0], experts_modules(reference)[0]
+    weight_sizes = {getattr(ref, name).numel() for name in stacked_weight_names(ref)}
+    tokens, hidden = 23, ref.down_proj.shape[1]
+    generator = torch.Generator().manual_seed(3)
+    states = torch.randn(tokens, hidden, generator=generator)
+    top_k_index = torch.randint(0, experts.num_experts, (tokens, 2), generator=generator)
+    top_k_weights = torch.rand(tokens, 2, generator=generator)
+
+    def run(module):
+        x = states.clone().requires_grad_(True)
+        return saved_sizes(lambda: (x, module(x, top_k_index, top_k_weights)))
+
+    sizes, (x, out) = run(experts)
+    ref_sizes, (ref_x, ref_out) = run(ref)
+    assert not weight_sizes & set(sizes)
+    assert weight_sizes & set(ref_sizes)  # the unquantized model keeps its (parameter) weights, as it should
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    out.pow(2).sum().backward()
+    ref_out.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "mixtral"])
+def test_grouped_adapters_on_4bit_experts_equal_adapters_on_the_dequantized_experts(tokenizer, arch):
+    """The report's set-up in one process: adapters on 4-bit routed experts train exactly like adapters on
+    plain experts holding the dequantized values (logits and every adapter gradient)."""
+    model, reference, _ = quantized(BUILDERS[arch], tokenizer)
+    settings = LoraSettings(r=4, alpha=8, dropout=0.0, experts=True)
+    cfg = ModelConfig(architecture="llama", tokenizer="bytes", lora=settings)
+    results = []
+    for base in (model, reference):
+        peft_model, notes = make_trainable(base, cfg, False)
+        assert notes[-1].endswith("; stacked experts as grouped low-rank products")
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+        ids = torch.randint(3, len(tokenizer), (2, 19), generator=torch.Generator().manual_seed(2))
+        logits = peft_model(input_ids=ids).logits
+        logits.pow(2).mean().backward()
+        grads = {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+        results.append((logits.detach(), grads))
+    (logits, grads), (expected, expected_grads) = results
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == expected_grads.keys() and any(".experts." in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_adapter_trained_on_4bit_experts_loads_in_plain_peft_on_the_dequantized_base(tmp_path, tokenizer):
+    """PEFT nests the wrappers of parametrized weights in another order than of plain ones; the adapter file must
+    still mean the same weights as for an unquantized base, so that PEFT (and servers) load it there."""
+    model, reference, _ = quantized(tiny_deepseek_v2, tokenizer)
+    reference.save_pretrained(tmp_path / "base")
+    settings = LoraSettings(r=4, alpha=8, dropout=0.0, experts=True)
+    peft_model, _ = make_trainable(model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    ids = torch.randint(3, len(tokenizer), (2, 19), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        trained = peft_model.eval()(input_ids=ids).logits
+    write_model_files(peft_model, tokenizer, tmp_path / "adapter", {})
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
+        torch.testing.assert_close(loaded(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+
+
+def test_skip_modules_keeps_named_experts_in_full_precision(tokenizer):
+    model = tiny_deepseek_v2(tokenizer).float()
+    total = stacked_numel(model, SETTINGS)
+    skipped = SETTINGS.model_copy(update={"skip_modules": ["layers.1.mlp.experts"]})
+    assert total > 0 and stacked_numel(model, skipped) == 0
+    assert quantize_stacked_experts(model, skipped, torch.uint8) == 0
+    assert quantized_experts_count(model) == 0
+
+
+def test_peft_form_on_4bit_experts_is_refused_with_the_fix(tokenizer):
+    """PEFT's own W + B·A wrapper leaves its delta parametrization on a 4-bit weight after each forward."""
+    model, _, _ = quantized(tiny_mixtral, tokenizer)
+    settings = LoraSettings(r=4, alpha=8, dropout=0.0, experts=True, grouped_experts=False)
+    with pytest.raises(UserError) as error:
+        make_trainable(model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    assert "are stored in 4 bits" in str(error.value)
+    assert "model.lora.grouped_experts: true" in str(error.value) and "skip_modules: [experts]" in str(error.value)
