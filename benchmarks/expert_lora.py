@@ -19,6 +19,7 @@ forms' logits (the same adapter weights in both). fp32 on CPU, bf16 on CUDA.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -127,6 +128,9 @@ def main() -> None:
 
     results, logits = {}, {}
     for index, name in enumerate(CONTENDERS):
+        if CONTENDERS[name].get("quantize_experts") and importlib.util.find_spec("bitsandbytes") is None:
+            print(f"{name}: skipped (bitsandbytes is not installed)", flush=True)
+            continue
         path = f"/tmp/expert_lora_logits_{index}.pt"
         command = [sys.executable, __file__, "--contender", name, "--logits", path]
         command += ["--tokens", str(args.tokens), "--steps", str(args.steps), "--layers", str(args.layers)]
@@ -154,6 +158,8 @@ def main() -> None:
         )
     difference = (logits["experts, grouped"] - logits["experts, PEFT form"]).abs().max().item()
     print(f"\nlargest |logit difference| grouped vs PEFT form: {difference:.2e}")
+    if "4-bit experts, grouped" not in logits:
+        return
     error = (logits["4-bit experts, grouped"] - logits["experts, grouped"]).abs().max().item()
     scale = logits["experts, grouped"].abs().max().item()
     print(f"largest |logit difference| 4-bit experts vs full precision: {error:.2e} (NF4; |logits| <= {scale:.2f})")

@@ -128,6 +128,7 @@ def test_grouped_expert_adapters_equal_peft_form_in_bf16_without_host_synchronis
 
 def test_4bit_experts_on_cuda_compute_with_their_dequantized_values_without_host_synchronisation(tokenizer):
     """bitsandbytes' CUDA kernels rebuild the 4-bit stacked experts (bf16, grouped_mm) in forward and backward."""
+    pytest.importorskip("bitsandbytes")
     from tuneforge.config.schema import QuantizationConfig
     from tuneforge.model.quantized_experts import dequantize_stacked_experts, quantize_stacked_experts
 
