@@ -4,6 +4,7 @@ original job's exact shape run to the end at CPU scale."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -343,6 +344,7 @@ def test_the_original_job_runs_to_the_end_at_cpu_scale(original_job, variant, ex
     out = result.stdout
     assert "quantization: base weights 4-bit nf4, double quant" in out and "lora: r=64 alpha=16 dropout=0.1," in out
     assert "routed-expert weights left out" not in out  # adapters on the experts too, as xtuner put them
+    assert re.search(r"; the stacked experts of \d+ MoE block\(s\) too", out)  # 4-bit experts, as QLoRA means
     assert "transformers implements deepseek_v2 natively" in out  # trust_remote_code asked, native used
     assert "deepseek_coder renders a conversation differently" not in out  # the byte tokenizer has no template
     assert "engine: " + ("fsdp" if variant == "fsdp" else "deepspeed") in out
