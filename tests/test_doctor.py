@@ -98,6 +98,8 @@ def test_adapters_on_4bit_experts_in_peft_form_fail_before_loading(tokenizer):
     assert refused.status == FAIL and "model.lora.grouped_experts is false" in refused.detail
     assert check({"grouped_experts": False}, skip_modules=["experts"]).status == PASS
     assert check({"grouped_experts": False}, bits=8).status == PASS
+    # Adapters that do not reach the experts leave them alone.
+    assert check({"grouped_experts": False, "targets": ["q_proj", "o_proj"]}).status == PASS
 
 
 def test_expert_adapters_with_parameter_offload_warn_with_a_cost(tokenizer):

@@ -23,10 +23,11 @@ from tuneforge.data.templates import TOKENIZER, get_template
 from tuneforge.engines import EngineTraits, engine_traits
 from tuneforge.errors import UserError
 from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_estimate, local_accelerator
+from tuneforge.model.adapters import resolve_lora_targets
 from tuneforge.model.expert_lora import grouped_experts_unsupported
 from tuneforge.model.moe import MoEMap, find_moe
-from tuneforge.model.quantize import matches_module_name, quantized_linears
-from tuneforge.model.quantized_experts import stacked_numel
+from tuneforge.model.quantize import quantized_linears
+from tuneforge.model.quantized_experts import quantizable_experts, stacked_numel
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -208,15 +209,18 @@ def check_expert_dropout(cfg: Config, moe: MoEMap) -> Check:
     )
 
 
-def check_quantized_expert_form(cfg: Config, moe: MoEMap) -> Check:
+def check_quantized_expert_form(cfg: Config, skeleton: nn.Module | None, moe: MoEMap) -> Check:
     """PEFT's W + B@A form cannot run on 4-bit stacked experts (training refuses it): say so before loading."""
     name = "adapters on 4-bit experts"
     lora, quantization = cfg.model.lora, cfg.model.quantization
-    if lora is None or not lora.experts or quantization is None or quantization.bits != 4:
+    if skeleton is None or lora is None or not lora.experts or quantization is None or quantization.bits != 4:
         return Check(name, PASS, "no adapters on 4-bit stacked experts")
-    stacked = [
-        b for b in moe if b.layout == "stacked" and not matches_module_name(b.experts_path, quantization.skip_modules)
-    ]
+    try:
+        targeted = {p.rsplit(".", 1)[0] for p in resolve_lora_targets(skeleton, lora, moe).parameters}
+    except UserError:
+        return Check(name, PASS, "no adapter targets (reported by training)")
+    quantizable = {path for path, _ in quantizable_experts(skeleton, quantization)}
+    stacked = [b for b in moe if b.experts_path in targeted and b.experts_path in quantizable]
     if not stacked:
         return Check(name, PASS, "no 4-bit stacked experts")
     if lora.grouped_experts:
@@ -454,7 +458,7 @@ def run_checks(
         check_remote_code(cfg, model_config),
         check_expert_adapters(cfg, moe),
         check_expert_dropout(cfg, moe),
-        check_quantized_expert_form(cfg, moe),
+        check_quantized_expert_form(cfg, skeleton, moe),
         check_dtype(cfg, skeleton),
         check_cpu_precision(cfg, torch.cuda.is_available() or accelerator is not None),
         check_samples(cfg, world_size, num_samples),

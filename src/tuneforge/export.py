@@ -110,6 +110,7 @@ def _export_adapter(checkpoint: Path, out: Path, dtype_name: str | None, base: P
     if meta.get("adapter", {}).get("quantization"):
         lines.append(
             "note: trained against the k-bit base; load the base with the same BitsAndBytesConfig for the outputs "
-            "seen in training, or export --merge"
+            "seen in training, or export --merge (on MoE models with stacked experts, which tuneforge also stores "
+            "in 4 bits and a BitsAndBytesConfig leaves in full precision, only tuneforge's loader or --merge does)"
         )
     return lines
