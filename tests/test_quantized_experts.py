@@ -72,6 +72,15 @@ def test_stacked_experts_are_stored_in_4_bits_and_compute_with_their_dequantized
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def set_adapters(model) -> None:
+    """Non-zero adapter weights, the same for every model with the same adapter names and shapes."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+
+
 def saved_sizes(run) -> list[int]:
     """Sizes of the tensors autograd keeps for backward while `run()` computes."""
     sizes = []
@@ -122,11 +131,7 @@ def test_grouped_adapters_on_4bit_experts_equal_adapters_on_the_dequantized_expe
     for base in (model, reference):
         peft_model, notes = make_trainable(base, cfg, False)
         assert notes[-1].endswith("; stacked experts as grouped low-rank products")
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_" in name:
-                    param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+        set_adapters(peft_model)
         ids = torch.randint(3, len(tokenizer), (2, 19), generator=torch.Generator().manual_seed(2))
         logits = peft_model(input_ids=ids).logits
         logits.pow(2).mean().backward()
@@ -146,11 +151,7 @@ def test_adapter_trained_on_4bit_experts_loads_in_plain_peft_on_the_dequantized_
     reference.save_pretrained(tmp_path / "base")
     settings = LoraSettings(r=4, alpha=8, dropout=0.0, experts=True)
     peft_model, _ = make_trainable(model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    set_adapters(peft_model)
     ids = torch.randint(3, len(tokenizer), (2, 19), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         trained = peft_model.eval()(input_ids=ids).logits

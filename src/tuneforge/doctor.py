@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from tuneforge.config.schema import Config
+from tuneforge.config.schema import Config, LoraSettings
 from tuneforge.data.conversation import Conversation, Turn
 from tuneforge.data.templates import TOKENIZER, get_template
 from tuneforge.engines import EngineTraits, engine_traits
@@ -25,7 +25,7 @@ from tuneforge.errors import UserError
 from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_estimate, local_accelerator
 from tuneforge.model.adapters import resolve_lora_targets
 from tuneforge.model.expert_lora import grouped_experts_unsupported
-from tuneforge.model.moe import MoEMap, find_moe
+from tuneforge.model.moe import MoEBlock, MoEMap, find_moe
 from tuneforge.model.quantize import quantized_linears
 from tuneforge.model.quantized_experts import quantizable_experts, stacked_numel
 
@@ -185,6 +185,14 @@ def check_expert_adapters(cfg: Config, moe: MoEMap) -> Check:
     return Check(name, PASS, detail)
 
 
+def _why_peft_form(lora: LoraSettings, stacked: list[MoEBlock]) -> str | None:
+    """Why adapters on these stacked-experts blocks would run in PEFT's W + B@A form (None: grouped form)."""
+    if not lora.grouped_experts:
+        return "model.lora.grouped_experts is false"
+    reasons = [r for b in stacked if (r := grouped_experts_unsupported(b.module.get_submodule(b.experts_name)))]
+    return f"their experts cannot run as grouped low-rank products ({reasons[0]})" if reasons else None
+
+
 def check_expert_dropout(cfg: Config, moe: MoEMap) -> Check:
     name = "LoRA dropout on experts"
     lora = cfg.model.lora
@@ -193,13 +201,9 @@ def check_expert_dropout(cfg: Config, moe: MoEMap) -> Check:
     stacked = [b for b in moe if b.layout == "stacked"]
     if not stacked:
         return Check(name, PASS, "experts are modules: their adapters take dropout")
-    if lora.grouped_experts:
-        reasons = [r for b in stacked if (r := grouped_experts_unsupported(b.module.get_submodule(b.experts_name)))]
-        if not reasons:
-            return Check(name, PASS, "stacked expert adapters run as grouped low-rank products, which take dropout")
-        why = f"their experts cannot run as grouped low-rank products ({reasons[0]})"
-    else:
-        why = "model.lora.grouped_experts is false"
+    why = _why_peft_form(lora, stacked)
+    if why is None:
+        return Check(name, PASS, "stacked expert adapters run as grouped low-rank products, which take dropout")
     return Check(
         name,
         FAIL,
@@ -223,13 +227,9 @@ def check_quantized_expert_form(cfg: Config, skeleton: nn.Module | None, moe: Mo
     stacked = [b for b in moe if b.experts_path in targeted and b.experts_path in quantizable]
     if not stacked:
         return Check(name, PASS, "no 4-bit stacked experts")
-    if lora.grouped_experts:
-        reasons = [r for b in stacked if (r := grouped_experts_unsupported(b.module.get_submodule(b.experts_name)))]
-        if not reasons:
-            return Check(name, PASS, f"{len(stacked)} MoE blocks: grouped low-rank products on dequantized experts")
-        why = f"their experts cannot run as grouped low-rank products ({reasons[0]})"
-    else:
-        why = "model.lora.grouped_experts is false"
+    why = _why_peft_form(lora, stacked)
+    if why is None:
+        return Check(name, PASS, f"{len(stacked)} MoE blocks: grouped low-rank products on dequantized experts")
     return Check(
         name,
         FAIL,
