@@ -12,9 +12,11 @@ from transformers import AutoModelForCausalLM
 from tuneforge.config.schema import LoraSettings, ModelConfig, QuantizationConfig
 from tuneforge.errors import UserError
 from tuneforge.model.adapters import make_trainable
+from tuneforge.model.expert_lora import grouped_experts_forward
 from tuneforge.model.moe import find_moe
 from tuneforge.model.quantized_experts import (
     EXPERTS_IMPLEMENTATION,
+    compute_dtype,
     dequantize_stacked_experts,
     quantize_stacked_experts,
     quantized_experts_count,
@@ -160,6 +162,27 @@ def test_adapter_trained_on_4bit_experts_loads_in_plain_peft_on_the_dequantized_
     with torch.no_grad():
         loaded = PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
         torch.testing.assert_close(loaded(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+
+
+def test_4bit_experts_compute_in_the_compute_dtype_outside_autocast(tokenizer):
+    """Like bitsandbytes' 4-bit linear layers: float32 weights with compute_dtype bfloat16 run the experts in
+    bfloat16 (on the dequantized values rounded to it) and hand back float32."""
+    model = tiny_deepseek_v2(tokenizer).float()
+    quantize_stacked_experts(model, SETTINGS.model_copy(update={"compute_dtype": "bfloat16"}), torch.float32)
+    _, reference, _ = quantized(tiny_deepseek_v2, tokenizer)
+    experts, plain = experts_modules(model)[0], experts_modules(reference)[0]
+    assert compute_dtype(experts) == torch.bfloat16 and compute_dtype(plain) == torch.float32
+    hidden = torch.randn(11, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    top_k = model.config.num_experts_per_tok
+    index = torch.stack([torch.randperm(experts.num_experts)[:top_k] for _ in range(11)])
+    weights = torch.rand(11, top_k)
+    with torch.no_grad():
+        out = experts(hidden, index, weights)
+        in_fp32 = grouped_experts_forward(plain, hidden, index, weights, adapters={})
+        plain.to(torch.bfloat16)
+        in_bf16 = grouped_experts_forward(plain, hidden.bfloat16(), index, weights, adapters={})
+    assert out.dtype == torch.float32
+    assert torch.equal(out, in_bf16.float()) and not torch.equal(out, in_fp32)
 
 
 def test_skip_modules_keeps_named_experts_in_full_precision(tokenizer):

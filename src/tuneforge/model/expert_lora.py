@@ -29,11 +29,11 @@ from torch import nn
 from torch.nn.utils.parametrize import type_before_parametrizations
 
 from tuneforge.model.quantized_experts import (
+    compute_dtype,
     dequantizing_matmul,
     has_stacked_layout,
     only_quantized,
     stacked_weight_names,
-    weight_dtype,
 )
 
 GROUPED_MM_ALIGNMENT = 16
@@ -95,8 +95,9 @@ def _as_in_out(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     return weight if transposed else weight.transpose(1, 2)
 
 
-def _low_rank(wrapper: nn.Module, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(A as (experts, in, r), B as (experts, r, out), scaling) of one ParamWrapper's adapter, in `dtype`.
+def _low_rank(wrapper: nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(A as (experts, in, r), B as (experts, r, out), scaling) of one ParamWrapper's adapter, in its own dtype
+    (the grouped forward casts them to the one it computes in).
 
     PEFT lays the factors out as lora_A.weight (experts·r, in), rows grouped by expert, and lora_B.weight
     (out, r·experts), columns interleaved as r·experts + e, whether the weight is stored transposed or not
@@ -108,7 +109,7 @@ def _low_rank(wrapper: nn.Module, adapter: str, dtype: torch.dtype) -> tuple[tor
     up = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0)  # (E, r, out)
     # grouped_mm takes A's transposed view as it is; B's interleaved columns leave the expert stride at one
     # element, which its kernels refuse, so B is copied (rank-sized, not weight-sized).
-    return down.to(dtype), up.to(dtype).contiguous(), wrapper.scaling[adapter]
+    return down, up.contiguous(), wrapper.scaling[adapter]
 
 
 def grouped_experts_forward(
@@ -121,8 +122,8 @@ def grouped_experts_forward(
     """What `experts(hidden_states, top_k_index, top_k_weights)` computes with W + s·B·A in place of each adapted
     weight W, computed as x·W + s·(dropout(x)·A)·B. `adapters`: parameter name -> (A, B, s, dropout)."""
     device_type = hidden_states.device.type
-    stored = weight_dtype(experts, "down_proj")
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else stored
+    autocast = torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type) if autocast else compute_dtype(experts)
     num_tokens, top_k = top_k_index.shape
     expert_of_pair = top_k_index.reshape(-1)
     order = torch.argsort(expert_of_pair, stable=True)
@@ -183,8 +184,7 @@ def _grouped_wrapper_class() -> type:
                 if layer.disable_adapters or layer.merged or len(active) > 1 or kwargs.get("adapter_names"):
                     return super().forward(x, *args, **kwargs)  # PEFT's own path for its other modes
                 if active:
-                    dtype = weight_dtype(layer.get_base_layer(), layer.parameter_name)
-                    down, up, scaling = _low_rank(layer, active[0], dtype)
+                    down, up, scaling = _low_rank(layer, active[0])
                     adapters[layer.parameter_name] = (down, up, scaling, layer.lora_dropout[active[0]])
                 layer = layer.base_layer
             return grouped_experts_forward(layer, x, *args, adapters=adapters, **kwargs)

@@ -24,6 +24,7 @@ import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
 from tuneforge.config.schema import QuantizationConfig
+from tuneforge.model.quantize import DTYPES as QUANT_DTYPES
 from tuneforge.model.quantize import matches_module_name
 
 
@@ -59,10 +60,13 @@ def only_quantized(experts: nn.Module, name: str) -> bool:
     return quant_state(experts, name) is not None and len(experts.parametrizations[name]) == 1
 
 
-def weight_dtype(experts: nn.Module, name: str) -> torch.dtype:
-    """The dtype a stacked weight reads as, without dequantizing it."""
-    state = quant_state(experts, name)
-    return state.dtype if state is not None else getattr(experts, name).dtype
+def compute_dtype(experts: nn.Module) -> torch.dtype:
+    """The dtype the experts compute in outside autocast: the quantization's compute dtype for 4-bit experts,
+    as for bitsandbytes' 4-bit linear layers (both then follow autocast where it is on); else their weights'."""
+    name = stacked_weight_names(experts)[-1]
+    if quant_state(experts, name) is not None:
+        return experts.parametrizations[name][0].compute_dtype
+    return getattr(experts, name).dtype
 
 
 def quantizable_experts(model: nn.Module, settings: QuantizationConfig) -> list[tuple[str, nn.Module]]:
@@ -102,6 +106,10 @@ def _dequantize_class() -> type:
         from bitsandbytes.nn.parametrize import Bnb4bitParametrization
 
         class FlatBnb4bitParametrization(Bnb4bitParametrization):
+            def __init__(self, quant_state, compute_dtype: torch.dtype) -> None:
+                super().__init__(quant_state)
+                self.compute_dtype = compute_dtype
+
             @torch.no_grad()
             def forward(self, quantized_param: torch.Tensor) -> torch.Tensor:
                 flat = copy.copy(self.quant_state)
@@ -138,7 +146,8 @@ def _quantize_weight(experts: nn.Module, name: str, settings: QuantizationConfig
     state.shape = weight.shape  # quantized flat (see _dequantize_class); read in its own shape
     setattr(experts, name, stored)
     del weight
-    parametrize.register_parametrization(experts, name, _dequantize_class()(state), unsafe=True)
+    dequantize = _dequantize_class()(state, QUANT_DTYPES[settings.compute_dtype])
+    parametrize.register_parametrization(experts, name, dequantize, unsafe=True)
 
 
 def quantize_stacked_experts(model: nn.Module, settings: QuantizationConfig, storage: torch.dtype) -> int:
