@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 
@@ -198,6 +199,57 @@ def test_quantized_bases_killed_and_resumed_equal_uninterrupted(job, architectur
             [loss for _, loss in losses(job / "one")], abs=1e-5
         )
         assert_the_merged_export_computes_as_trained(job / "run" / "checkpoints" / "final", job / "merged")
+        assert_the_loader_rebuilds_the_experts_as_trained(job / "run" / "checkpoints" / "final", job / "older")
+
+
+def assert_the_loader_rebuilds_the_experts_as_trained(checkpoint, copy) -> None:
+    """tuneforge.json records how many experts modules trained in 4 bits (counted on the ZeRO-3 model); a file
+    without the record (written before experts were quantized) loads them in full precision, and a count the base
+    does not give is refused."""
+    import json
+    import shutil
+
+    from tuneforge.errors import UserError
+    from tuneforge.model.quantized_experts import quantized_experts_count
+    from tuneforge.model.trained import load_trained
+
+    meta = json.loads((checkpoint / "tuneforge.json").read_text())
+    assert meta["adapter"]["quantized_experts"] == 1
+    assert quantized_experts_count(load_trained(checkpoint).model) == 1
+    shutil.copytree(checkpoint, copy)
+    (copy / "manifest.json").unlink()  # its file sizes would call the edited tuneforge.json damaged
+    del meta["adapter"]["quantized_experts"]
+    (copy / "tuneforge.json").write_text(json.dumps(meta))
+    assert quantized_experts_count(load_trained(copy).model) == 0
+    meta["adapter"]["quantized_experts"] = 2
+    (copy / "tuneforge.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="1 experts module\\(s\\) of this base are stored in 4 bits, but the adapter"):
+        load_trained(copy)
+
+
+@pytest.mark.parametrize(
+    ("recorded", "now", "message"),
+    [
+        (None, 0, None),
+        (3, 3, None),
+        (None, 2, "trained with the routed experts in full precision"),
+        (0, 2, "Add experts to model.quantization.skip_modules to resume as trained"),
+        (2, 0, "trained with 2 experts module(s) stored in 4 bits, this run has 0"),
+    ],
+)
+def test_resume_refuses_experts_stored_otherwise_than_in_training(tmp_path, recorded, now, message):
+    import json
+
+    from tuneforge.errors import UserError
+    from tuneforge.train.state import check_same_expert_storage
+
+    adapter = {"quantization": {"bits": 4}} | ({} if recorded is None else {"quantized_experts": recorded})
+    (tmp_path / "tuneforge.json").write_text(json.dumps({"template": "chatml", "adapter": adapter}))
+    if message is None:
+        check_same_expert_storage(tmp_path, now)
+    else:
+        with pytest.raises(UserError, match=re.escape(message)):
+            check_same_expert_storage(tmp_path, now)
 
 
 def assert_the_merged_export_computes_as_trained(checkpoint, out) -> None:

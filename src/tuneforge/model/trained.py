@@ -24,8 +24,13 @@ from tuneforge.model.build import DTYPES
 from tuneforge.model.expert_lora import grouped_layers
 from tuneforge.model.portable_adapter import ADAPTER_CONFIG
 from tuneforge.model.quantize import bitsandbytes_config, keep_training_layout, storage_dtype
-from tuneforge.model.quantized_experts import dequantize_stacked_experts, plain_for_peft, quantize_stacked_experts
-from tuneforge.train.checkpoint import checkpoint_problems, read_chat_meta
+from tuneforge.model.quantized_experts import (
+    dequantize_stacked_experts,
+    plain_for_peft,
+    quantizable_experts,
+    quantize_stacked_experts,
+)
+from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -109,7 +114,7 @@ def _load_base(path: str, adapter_meta: dict[str, Any], dequantize: bool) -> Pre
         device_map={"": "cpu"},
     )
     if settings.bits == 4:
-        quantize_stacked_experts(model, settings, storage_dtype(settings, sharded_engine=False))
+        _quantize_experts_as_trained(model, settings, adapter_meta.get(QUANTIZED_EXPERTS), path)
     if dequantize:
         # The exact values the adapter was trained against, as plain float32 weights.
         model = model.dequantize()
@@ -117,6 +122,26 @@ def _load_base(path: str, adapter_meta: dict[str, Any], dequantize: bool) -> Pre
         return model
     keep_training_layout(model)  # the same kernels as in training, so chat answers as the samples did
     return model
+
+
+def _quantize_experts_as_trained(
+    model: PreTrainedModel, settings: QuantizationConfig, recorded: int | None, path: str
+) -> None:
+    """Stores the stacked experts in 4 bits if the adapter trained against them so (`recorded`, from its
+    `tuneforge.json`), so that it computes what the training model computed."""
+    if recorded is None:
+        if quantizable_experts(model, settings):
+            print(
+                "model: this adapter's tuneforge.json predates 4-bit stacked experts: its routed experts trained "
+                "in full precision and are loaded so"
+            )
+        return
+    count = quantize_stacked_experts(model, settings, storage_dtype(settings, sharded_engine=False))
+    if count != recorded:
+        raise UserError(
+            f"{path}: {count} experts module(s) of this base are stored in 4 bits, but the adapter trained with "
+            f"{recorded}: it is not the base the adapter was trained on; pass --base DIR with that model"
+        )
 
 
 def load_trained(checkpoint: Path, base: Path | None = None, merge: bool = False) -> Trained:

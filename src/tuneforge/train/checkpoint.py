@@ -14,7 +14,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tuneforge.model.portable_adapter import make_portable
 
 CHAT_META = "tuneforge.json"
-"""Written beside the weights: the chat template and system prompt the model was trained with."""
+"""Written beside the weights: the chat template and system prompt the model was trained with, and for an
+adapter how to rebuild its base (`adapter`)."""
+
+QUANTIZED_EXPERTS = "quantized_experts"
+"""Key in the `adapter` part of `CHAT_META`: how many experts modules of the base held their stacked weights in
+4 bits while the adapter trained. Absent: written before tuneforge quantized them (they were full precision)."""
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

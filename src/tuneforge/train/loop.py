@@ -21,8 +21,10 @@ from tuneforge.engines import Engine
 from tuneforge.errors import StoppedBySignal, UserError
 from tuneforge.estimate.hardware import peak_flops
 from tuneforge.generate import generate_replies
+from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.train.checkpoint import (
+    QUANTIZED_EXPERTS,
     commit_checkpoint,
     directory_bytes,
     prune_checkpoints,
@@ -221,6 +223,7 @@ class Trainer:
                 "dtype": cfg.model.dtype,
                 "trust_remote_code": cfg.model.trust_remote_code,
                 "quantization": cfg.model.quantization.model_dump() if cfg.model.quantization else None,
+                QUANTIZED_EXPERTS: quantized_experts_count(parts.engine.unwrapped),
             }
 
     def run(self, start: ResumePoint | None = None) -> list[dict]:

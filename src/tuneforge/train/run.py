@@ -30,6 +30,7 @@ from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import DTYPES, build_model, build_tokenizer, count_parameters, model_config
 from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.model.moe import MoEMap, find_moe
+from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.train.checkpoint import step_checkpoints
@@ -40,7 +41,15 @@ from tuneforge.train.optim import build_optimizer
 from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
 from tuneforge.train.sinks import require_packages
-from tuneforge.train.state import TRAINING_STATE, ResumePoint, check_compatible, find_resume, load_rng, read_state
+from tuneforge.train.state import (
+    TRAINING_STATE,
+    ResumePoint,
+    check_compatible,
+    check_same_expert_storage,
+    find_resume,
+    load_rng,
+    read_state,
+)
 from tuneforge.train.telemetry import active_matmul_parameters
 from tuneforge.train.validate import validation_batches
 from tuneforge.train.workdir import recorded_run, release_lock, start_run, take_lock
@@ -173,6 +182,7 @@ def resume_from(
     point = read_state(checkpoint)
     if point.step >= trainer.total_steps:
         raise UserError(f"--resume {checkpoint}: step {point.step} is already the last of {trainer.total_steps}")
+    check_same_expert_storage(checkpoint, quantized_experts_count(engine.unwrapped))
     try:
         engine.load_state(checkpoint / TRAINING_STATE)
     except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tuneforge.errors import UserError
-from tuneforge.train.checkpoint import checkpoint_problems, step_checkpoints
+from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta, step_checkpoints
 
 TRAINING_STATE = "training_state"
 STATE_FILE = "state.json"
@@ -123,3 +123,25 @@ def check_compatible(
             f"{sequence_parallel}: the data-parallel size and so the order of the data differ. Resume with "
             f"parallel.sequence_parallel={point.sequence_parallel}"
         )
+
+
+def check_same_expert_storage(checkpoint: Path, quantized_now: int) -> None:
+    """An adapter resumes against the base weights it trained on: the same experts stored in 4 bits (their values
+    differ from full precision ones, so the resumed run would not continue the interrupted one)."""
+    adapter = (read_chat_meta(checkpoint) or {}).get("adapter")
+    if adapter is None:
+        return
+    trained = adapter.get(QUANTIZED_EXPERTS, 0)  # absent: written before stacked experts were quantized
+    if trained == quantized_now:
+        return
+    if trained == 0:
+        raise UserError(
+            f"--resume {checkpoint}: its adapters trained with the routed experts in full precision (written "
+            f"before tuneforge stored stacked experts in 4 bits, or with them in skip_modules), but this run "
+            f"stores {quantized_now} experts module(s) in 4 bits. Add experts to model.quantization.skip_modules "
+            "to resume as trained"
+        )
+    raise UserError(
+        f"--resume {checkpoint}: its adapters trained with {trained} experts module(s) stored in 4 bits, this run "
+        f"has {quantized_now}. Resume with the run's model.quantization settings (bits, skip_modules)"
+    )
