@@ -130,3 +130,11 @@ def test_cli_reports_config_errors_in_one_line_before_loading_anything(tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {path}:8: train.lrr: unknown key; did you mean `lr`?"
     assert not work_dir.exists()
+
+
+def test_a_skip_pattern_that_is_no_regular_expression_is_refused_at_load(tmp_path):
+    """transformers reads skip_modules as regular expressions too: a broken one would fail deep in loading."""
+    lines = "  tokenizer: bytes\n  lora: {r: 4}\n  quantization: {skip_modules: [experts, 'layers.[1']}\n"
+    message = error_of(write(tmp_path, BASE.replace("  tokenizer: bytes\n", lines)))
+    assert message.startswith(f"{tmp_path / 'cfg.yaml'}:5: model.quantization.skip_modules: ")
+    assert "'layers.[1' is not a valid regular expression" in message and len(message.splitlines()) == 1

@@ -14,6 +14,7 @@ from tuneforge.errors import UserError
 from tuneforge.model.adapters import make_trainable
 from tuneforge.model.expert_lora import grouped_experts_forward
 from tuneforge.model.moe import find_moe
+from tuneforge.model.quantize import quantized_linears
 from tuneforge.model.quantized_experts import (
     EXPERTS_IMPLEMENTATION,
     compute_dtype,
@@ -185,13 +186,35 @@ def test_4bit_experts_compute_in_the_compute_dtype_outside_autocast(tokenizer):
     assert torch.equal(out, in_bf16.float()) and not torch.equal(out, in_fp32)
 
 
-def test_skip_modules_keeps_named_experts_in_full_precision(tokenizer):
+@pytest.mark.parametrize("pattern", ["experts", "layers.1.mlp.experts", "model.layers.1", "model.layers.*.experts"])
+def test_skip_modules_keeps_named_experts_in_full_precision(tokenizer, pattern):
+    """Names match as transformers matches the linear layers it leaves unquantized: suffix, prefix, regex."""
     model = tiny_deepseek_v2(tokenizer).float()
     total = stacked_numel(model, SETTINGS)
-    skipped = SETTINGS.model_copy(update={"skip_modules": ["layers.1.mlp.experts"]})
+    skipped = SETTINGS.model_copy(update={"skip_modules": [pattern]})
     assert total > 0 and stacked_numel(model, skipped) == 0
+    # The same rule for the linear layers: a prefix leaves the whole layer, a suffix only what it names.
+    in_layer_1 = {name for name, _ in quantized_linears(model, SETTINGS) if name.startswith("model.layers.1.")}
+    assert in_layer_1 and in_layer_1.isdisjoint(n for n, _ in quantized_linears(model, skipped)) == (
+        pattern == "model.layers.1"
+    )
     assert quantize_stacked_experts(model, skipped, torch.uint8) == 0
     assert quantized_experts_count(model) == 0
+
+
+def test_a_model_whose_experts_forward_cannot_be_switched_says_so(tokenizer, monkeypatch, capsys):
+    """transformers decides from the modeling source whether a model's experts forward can be switched."""
+    model = tiny_mixtral(tokenizer).float()
+    monkeypatch.setattr(type(model), "_can_set_experts_implementation", classmethod(lambda cls: False))
+    assert quantize_stacked_experts(model, SETTINGS, torch.float32) > 0
+    assert model.config._experts_implementation != EXPERTS_IMPLEMENTATION
+    assert "cannot switch the experts of MixtralForCausalLM to tuneforge's grouped forward" in capsys.readouterr().out
+    # Its own forward still computes with the dequantized values.
+    ids = torch.randint(3, len(tokenizer), (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        dequantize_stacked_experts(model)
+        torch.testing.assert_close(logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_peft_form_on_4bit_experts_is_refused_with_the_fix(tokenizer):

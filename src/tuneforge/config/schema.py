@@ -77,8 +77,22 @@ class QuantizationConfig(Section):
     (they can only shard floating-point parameters), else uint8."""
 
     skip_modules: list[str] = Field(default_factory=list)
-    """Module names kept in full precision besides the output head (suffix match, like `targets`). With 4
-    bits, the stacked routed experts are quantized too unless their module is named here (e.g. `experts`)."""
+    """Modules kept in full precision besides the output head, matched as `transformers` matches them: a name
+    suffix (`experts`), a path prefix up to a module boundary (`model.layers.1`) or a regular expression
+    (`model.layers.*.mlp.experts`). With 4 bits, the stacked routed experts are quantized too unless their
+    module is named here."""
+
+    @field_validator("skip_modules")
+    @classmethod
+    def _skip_patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(
+                    f"{pattern!r} is not a valid regular expression ({exc}); escape special characters with \\"
+                ) from None
+        return value
 
 
 class ModelConfig(Section):

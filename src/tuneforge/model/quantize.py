@@ -44,6 +44,15 @@ def bitsandbytes_config(settings: QuantizationConfig, sharded_engine: bool):
     )
 
 
+def kept_in_full_precision(name: str, skip: list[str]) -> bool:
+    """Whether the module at path `name` is left unquantized by `skip` (`skip_modules` plus the head), decided by
+    the rule `transformers` applies to the linear layers it hands to bitsandbytes, so that the stacked experts
+    follow the same names."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    return not should_convert_module(name, skip)
+
+
 def matches_module_name(name: str, names: list[str]) -> bool:
     """`q_proj` names every module whose path is `q_proj` or ends with `.q_proj`."""
     return any(name == short or name.endswith("." + short) for short in names)
@@ -56,7 +65,7 @@ def quantized_linears(model: nn.Module, settings: QuantizationConfig) -> list[tu
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module is not head and not matches_module_name(name, skip)
+        if isinstance(module, nn.Linear) and module is not head and not kept_in_full_precision(name, skip)
     ]
 
 

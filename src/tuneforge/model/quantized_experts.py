@@ -25,7 +25,7 @@ from torch import nn
 
 from tuneforge.config.schema import QuantizationConfig
 from tuneforge.model.quantize import DTYPES as QUANT_DTYPES
-from tuneforge.model.quantize import matches_module_name
+from tuneforge.model.quantize import kept_in_full_precision
 
 
 def stacked_weight_names(experts: nn.Module) -> list[str]:
@@ -75,7 +75,7 @@ def quantizable_experts(model: nn.Module, settings: QuantizationConfig) -> list[
     return [
         (path, module)
         for path, module in model.named_modules()
-        if has_stacked_layout(module) and not matches_module_name(path, settings.skip_modules)
+        if has_stacked_layout(module) and not kept_in_full_precision(path, settings.skip_modules)
     ]
 
 
@@ -157,8 +157,18 @@ def quantize_stacked_experts(model: nn.Module, settings: QuantizationConfig, sto
     for _, experts in blocks:
         for name in stacked_weight_names(experts):
             _quantize_weight(experts, name, settings, storage)
-    if blocks and model._can_set_experts_implementation():
+    if not blocks:
+        return 0
+    if model._can_set_experts_implementation():
         model.set_experts_implementation(register_experts_implementation())
+    else:
+        # transformers decides this from the modeling source, which it cannot read for some installs.
+        current = getattr(model.config, "_experts_implementation", None)
+        print(
+            f"model: transformers cannot switch the experts of {type(model).__name__} to tuneforge's grouped "
+            f"forward; its 4-bit experts run through '{current}', which keeps each dequantized expert stack for "
+            "backward (more memory). model.quantization.skip_modules: [experts] keeps them in full precision instead"
+        )
     return len(blocks)
 
 
