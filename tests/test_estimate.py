@@ -128,6 +128,12 @@ def test_4bit_stacked_experts_count_as_4bit_weights_and_cost_a_dequantization_pe
     dequantize = next(seconds for what, seconds, _ in four.times if what == "expert dequantization")
     assert dequantize > 0
     assert "expert dequantization" not in {what for what, _, _ in eight.times}
+    # The largest stack is held dequantized (bf16) for a moment: DeepSeek-V2-Lite's gate_up_proj, 64 x 2816 x 2048.
+    largest = max(
+        p.numel() for block in find_moe(deepseek) for p in deepseek.get_submodule(block.experts_path).parameters()
+    )
+    assert row(four, "4-bit experts: one stack").gpu == 2 * largest
+    assert not any(r.label.startswith("4-bit experts") for r in eight.rows)
 
 
 def test_gradient_checkpointing_trades_activation_memory_for_compute(llama):

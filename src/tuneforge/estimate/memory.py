@@ -99,6 +99,13 @@ def memory_use(
                 per_layer * (kept * compute_bytes + 4 + compute_bytes),  # + one fp32 delta and W's gradient
             )
         )
+    if s.stacked_quantized:
+        rows.append(
+            Row(
+                f"4-bit experts: one stack of {count_label(s.stacked_quantized_largest)} dequantized at a time",
+                s.stacked_quantized_largest * compute_bytes,
+            )
+        )
     # Under sequence parallelism a rank holds 1/N of every row's tokens (attention: all tokens of 1/N of the heads).
     split = par.sequence_parallel
     tokens_micro = train.micro_batch_size * cfg.data.max_length // split

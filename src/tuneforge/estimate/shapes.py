@@ -39,6 +39,8 @@ class ModelShapes:
     active_routed: float
     stacked_quantized: int
     """Values of 4-bit stacked expert weights: each pass dequantizes all of them, whatever the tokens."""
+    stacked_quantized_largest: int
+    """Values of the largest of them: dequantized one at a time, so this much is held in full for a moment."""
     active_trainable: float
     layers: int
     hidden: int
@@ -164,6 +166,7 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
         active_quantized=sum(v for k, v in active.items() if k in linear_quantized_ids),
         active_routed=sum(v for k, v in active.items() if k in routed_ids and k not in linear_quantized_ids),
         stacked_quantized=sum(p.numel() for p in params if id(p) in stacked_quantized_ids),
+        stacked_quantized_largest=max((p.numel() for p in params if id(p) in stacked_quantized_ids), default=0),
         active_trainable=sum(v for k, v in active.items() if k in trainable_ids)
         + sum(share.get(id(p), 1.0) * p.numel() for p in stacked),
         layers=len(layers),
