@@ -147,6 +147,31 @@ def test_grouped_adapters_on_4bit_experts_equal_adapters_on_the_dequantized_expe
         torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_activation_checkpointing_recomputes_4bit_experts_to_the_same_gradients(tokenizer):
+    """The report's set-up checkpoints activations (xtuner's default): the recompute dequantizes the experts
+    again inside the checkpointed layer, and every adapter gradient stays the same."""
+    settings = LoraSettings(r=4, alpha=8, dropout=0.0, experts=True)
+    cfg = ModelConfig(architecture="llama", tokenizer="bytes", lora=settings)
+    ids = torch.randint(3, len(tokenizer), (2, 19), generator=torch.Generator().manual_seed(2))
+    grads, dequantized = [], []
+    for checkpointing in (False, True):
+        model, _, _ = quantized(tiny_deepseek_v2, tokenizer)
+        calls = []
+        for experts in experts_modules(model):
+            for name in stacked_weight_names(experts):
+                experts.parametrizations[name][0].register_forward_hook(lambda *_, seen=calls: seen.append(1))
+        peft_model, _ = make_trainable(model, cfg, checkpointing)
+        set_adapters(peft_model)
+        peft_model.train()(input_ids=ids).logits.pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad})
+        dequantized.append(len(calls))
+    # Each stacked weight: forward and backward, plus the recompute when checkpointed.
+    assert dequantized == [4, 6]
+    assert grads[0].keys() == grads[1].keys() and any(".experts." in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_adapter_trained_on_4bit_experts_loads_in_plain_peft_on_the_dequantized_base(tmp_path, tokenizer):
     """PEFT nests the wrappers of parametrized weights in another order than of plain ones; the adapter file must
     still mean the same weights as for an unquantized base, so that PEFT (and servers) load it there."""
