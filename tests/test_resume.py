@@ -186,6 +186,10 @@ def test_quantized_bases_killed_and_resumed_equal_uninterrupted(job, architectur
     else:
         stopped = train(job, "run", *extra, fault="kill:0:4", ranks=ranks)
         assert stopped.returncode != 0
+        # Another quantization of the base is refused before the model loads, and leaves the run resumable.
+        other = train_here(job / "cfg.yaml", job / "run", "model.quantization.bits=4", "--resume", "auto")
+        assert other.returncode == 2
+        assert "model.quantization differs from the run's (bits 8 -> 4)" in other.stderr, other.stderr[-2000:]
     assert [s for s, _ in losses(job / "run")] == [1, 2, 3]
     resumed = train(job, "run", *extra, "--resume", "auto", ranks=ranks)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -234,7 +238,7 @@ def assert_the_loader_rebuilds_the_experts_as_trained(checkpoint, copy) -> None:
         (3, 3, None),
         (None, 2, "trained with the routed experts in full precision"),
         (0, 2, "Add experts to model.quantization.skip_modules to resume as trained"),
-        (2, 0, "trained with 2 experts module(s) stored in 4 bits, this run has 0"),
+        (2, 0, "trained with 2 experts module(s) stored in 4 bits, this run has 0 with the same"),
     ],
 )
 def test_resume_refuses_experts_stored_otherwise_than_in_training(tmp_path, recorded, now, message):
@@ -272,3 +276,32 @@ def assert_the_merged_export_computes_as_trained(checkpoint, out) -> None:
         error = (merged(input_ids=probe).logits - expected).abs().max()
     # The CPU 4-bit matmul is bf16-accurate; with a tiny model's large logits, 2% of their scale.
     assert error < 2e-2 * expected.abs().max(), (error, expected.abs().max())
+
+
+@pytest.mark.parametrize(
+    ("recorded", "now", "message"),
+    [
+        (None, None, None),
+        ({"bits": 4}, {"bits": 4, "compute_dtype": "float32", "storage_dtype": "bfloat16"}, None),
+        (None, {"bits": 4}, "trained on an unquantized base, this run loads the base in 4 bits"),
+        ({"bits": 8}, None, "trained on a 8-bit base, this run loads the base in full precision"),
+        ({"bits": 4}, {"bits": 4, "skip_modules": ["experts"]}, "(skip_modules [] -> ['experts'])"),
+        ({"bits": 4}, {"bits": 4, "quant_type": "fp4"}, "(quant_type 'nf4' -> 'fp4')"),
+        ({"bits": 8}, {"bits": 8, "quant_type": "fp4"}, None),  # 8 bits reads no 4-bit setting
+    ],
+)
+def test_resume_refuses_another_quantization_of_the_base_before_loading_it(tmp_path, recorded, now, message):
+    """How weights are stored or computed may change on resume; what decides their values may not."""
+    import json
+
+    from tuneforge.config.schema import QuantizationConfig
+    from tuneforge.errors import UserError
+    from tuneforge.train.state import check_same_quantization
+
+    (tmp_path / "tuneforge.json").write_text(json.dumps({"adapter": {"quantization": recorded}}))
+    current = QuantizationConfig.model_validate(now) if now is not None else None
+    if message is None:
+        check_same_quantization(tmp_path, current)
+    else:
+        with pytest.raises(UserError, match=re.escape(message)):
+            check_same_quantization(tmp_path, current)

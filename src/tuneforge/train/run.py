@@ -46,6 +46,7 @@ from tuneforge.train.state import (
     ResumePoint,
     check_compatible,
     check_same_expert_storage,
+    check_same_quantization,
     find_resume,
     load_rng,
     read_state,
@@ -124,6 +125,10 @@ def _locked_run(
             engine_name,
             cfg.parallel.sequence_parallel,
         )
+        check_same_quantization(resume_dir, cfg.model.quantization)
+    # Every rank has read the run record (for find_resume) before rank 0 writes this run's: a rank reading it
+    # half-written failed to parse it, and one reading the new id could choose another checkpoint than rank 0.
+    barrier(info)
     run_id = ""
     if info.is_main:
         run_id, run_note = start_run(work_dir, resume, archive_previous)

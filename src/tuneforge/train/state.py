@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError
 from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta, step_checkpoints
 
@@ -125,6 +126,44 @@ def check_compatible(
         )
 
 
+QUANTIZED_VALUES = ("bits", "skip_modules", "quant_type", "double_quant")
+"""The model.quantization settings that decide the base weights' values (not how they are stored or computed);
+the last two for 4 bits only."""
+
+
+def check_same_quantization(checkpoint: Path, quantization: QuantizationConfig | None) -> None:
+    """An adapter resumes against the base weights it trained on: k-bit values differ from full precision ones,
+    so a resumed run on another quantization would not continue the interrupted one. Checked before loading."""
+    adapter = (read_chat_meta(checkpoint) or {}).get("adapter")
+    if adapter is None:
+        return
+    recorded = adapter.get("quantization")
+    try:
+        trained = QuantizationConfig.model_validate(recorded) if recorded is not None else None
+    except ValueError:  # settings of another tuneforge version: not comparable field by field
+        return
+    if trained is None and quantization is None:
+        return
+    if trained is None or quantization is None:
+        was = f"a {trained.bits}-bit base" if trained is not None else "an unquantized base"
+        now = f"{quantization.bits} bits" if quantization is not None else "full precision"
+        raise UserError(
+            f"--resume {checkpoint}: its adapters trained on {was}, this run loads the base in {now}. Resume with "
+            "the run's model.quantization (see config.tuneforge.yaml in the checkpoint)"
+        )
+    keys = QUANTIZED_VALUES if trained.bits == quantization.bits == 4 else ("bits", "skip_modules")
+    changed = [
+        f"{key} {getattr(trained, key)!r} -> {getattr(quantization, key)!r}"
+        for key in keys
+        if getattr(trained, key) != getattr(quantization, key)
+    ]
+    if changed:
+        raise UserError(
+            f"--resume {checkpoint}: model.quantization differs from the run's ({'; '.join(changed)}), which changes "
+            "the base weights its adapters trained on. Resume with the run's settings"
+        )
+
+
 def check_same_expert_storage(checkpoint: Path, quantized_now: int) -> None:
     """An adapter resumes against the base weights it trained on: the same experts stored in 4 bits (their values
     differ from full precision ones, so the resumed run would not continue the interrupted one)."""
@@ -137,11 +176,11 @@ def check_same_expert_storage(checkpoint: Path, quantized_now: int) -> None:
     if trained == 0:
         raise UserError(
             f"--resume {checkpoint}: its adapters trained with the routed experts in full precision (written "
-            f"before tuneforge stored stacked experts in 4 bits, or with them in skip_modules), but this run "
-            f"stores {quantized_now} experts module(s) in 4 bits. Add experts to model.quantization.skip_modules "
-            "to resume as trained"
+            f"before tuneforge stored stacked experts in 4 bits), but this run stores {quantized_now} experts "
+            "module(s) in 4 bits. Add experts to model.quantization.skip_modules to resume as trained"
         )
     raise UserError(
         f"--resume {checkpoint}: its adapters trained with {trained} experts module(s) stored in 4 bits, this run "
-        f"has {quantized_now}. Resume with the run's model.quantization settings (bits, skip_modules)"
+        f"has {quantized_now} with the same model.quantization: the model loads with other code than in training "
+        "(another transformers version). Resume in the training's environment"
     )

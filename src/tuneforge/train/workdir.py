@@ -123,7 +123,9 @@ def start_run(work_dir: Path, resume: str | None, archive: bool) -> tuple[str, s
                 shutil.move(str(work_dir / name), str(destination / name))
         note = f"work dir: the previous run's {', '.join(found)} moved to {destination}"
     run_id = uuid.uuid4().hex[:12]
-    record.write_text(json.dumps({"run_id": run_id, "started": time.time()}), encoding="utf-8")
+    written = record.with_name(record.name + ".tmp")
+    written.write_text(json.dumps({"run_id": run_id, "started": time.time()}), encoding="utf-8")
+    written.replace(record)  # atomic: a reader sees the old record or the new one, never a part
     return run_id, note
 
 
