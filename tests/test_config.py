@@ -138,3 +138,8 @@ def test_a_skip_pattern_that_is_no_regular_expression_is_refused_at_load(tmp_pat
     message = error_of(write(tmp_path, BASE.replace("  tokenizer: bytes\n", lines)))
     assert message.startswith(f"{tmp_path / 'cfg.yaml'}:5: model.quantization.skip_modules: ")
     assert "'layers.[1' is not a valid regular expression" in message and len(message.splitlines()) == 1
+    # Valid alone, but not inside the group transformers puts it in.
+    lines = "  tokenizer: bytes\n  lora: {r: 4}\n  quantization: {skip_modules: ['(?i)experts']}\n"
+    assert "'(?i)experts' is not a valid regular expression" in error_of(
+        write(tmp_path, BASE.replace("  tokenizer: bytes\n", lines))
+    )

@@ -133,6 +133,9 @@ def test_4bit_stacked_experts_count_as_4bit_weights_and_cost_a_dequantization_pe
         p.numel() for block in find_moe(deepseek) for p in deepseek.get_submodule(block.experts_path).parameters()
     )
     assert row(four, "4-bit experts: one stack").gpu == 2 * largest
+    # Loaded in fp32 and run under bf16 autocast: the fp32 stack and its bf16 cast.
+    fp32 = config(model={**LORA, "quantization": settings, "dtype": "float32"}, parallel={"engine": "deepspeed"})
+    assert row(estimate(fp32, deepseek, "deepspeed", 1, H100), "4-bit experts: one stack").gpu == 6 * largest
     assert not any(r.label.startswith("4-bit experts") for r in eight.rows)
 
 

@@ -87,7 +87,7 @@ class QuantizationConfig(Section):
     def _skip_patterns(cls, value: list[str]) -> list[str]:
         for pattern in value:
             try:
-                re.compile(pattern)
+                re.compile(f"(?:{pattern})")  # transformers embeds each pattern in a group
             except re.error as exc:
                 raise ValueError(
                     f"{pattern!r} is not a valid regular expression ({exc}); escape special characters with \\"
@@ -144,7 +144,7 @@ class ModelConfig(Section):
             raise ValueError("`model.freeze` is for full fine-tuning; with `model.lora` only adapters train")
         for pattern in self.freeze:
             try:
-                re.compile(pattern)
+                re.compile(f"(?:{pattern})")  # transformers embeds each pattern in a group
             except re.error as exc:
                 raise ValueError(f"`model.freeze`: {pattern!r} is not a regex ({exc})") from None
         return self

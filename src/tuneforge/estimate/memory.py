@@ -16,6 +16,7 @@ LOGITS_BYTES = 12  # per logit: bf16 logits, their fp32 copy for the loss, and i
 FUSED_LOGIT_BYTES = 10  # per logit of one fused-loss chunk: fp32 logits, fp32 softmax, its 16-bit cast
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation (not measured here)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+AUTOCAST_NAMES = {"bf16": "bfloat16", "fp16": "float16"}  # train.precision -> the dtype autocast computes in
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,14 @@ def memory_use(
                 per_layer * (kept * compute_bytes + 4 + compute_bytes),  # + one fp32 delta and W's gradient
             )
         )
-    if s.stacked_quantized:
+    if s.stacked_quantized and quantization is not None:
+        # Dequantized in the dtype the weights were loaded in, then cast if the experts compute in another.
+        computes_in = AUTOCAST_NAMES.get(train.precision, quantization.compute_dtype)
+        per_value = model_bytes + (DTYPE_BYTES[computes_in] if computes_in != cfg.model.dtype else 0)
         rows.append(
             Row(
                 f"4-bit experts: one stack of {count_label(s.stacked_quantized_largest)} dequantized at a time",
-                s.stacked_quantized_largest * compute_bytes,
+                s.stacked_quantized_largest * per_value,
             )
         )
     # Under sequence parallelism a rank holds 1/N of every row's tokens (attention: all tokens of 1/N of the heads).

@@ -92,7 +92,7 @@ def _read_by_modeling_code(model_type: str, key: str) -> bool:
     return f"config.{key}" in source or f'"{key}"' in source
 
 
-def _native_architecture(path: str) -> bool:
+def native_architecture(path: str) -> bool:
     """Whether `transformers` itself implements the checkpoint's architecture. Its implementation is preferred
     over the checkpoint's remote code: it is tested, and MoE blocks there run every rank's collectives alike."""
     try:
@@ -107,7 +107,7 @@ def _native_architecture(path: str) -> bool:
 
 
 def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: bool) -> PreTrainedModel:
-    remote = cfg.trust_remote_code and not _native_architecture(path)
+    remote = cfg.trust_remote_code and not native_architecture(path)
     options: dict = {"dtype": DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
     if cfg.quantization is not None:
         if device.type == "cpu":

@@ -44,14 +44,20 @@ def has_stacked_layout(experts: nn.Module) -> bool:
     )
 
 
-def quant_state(experts: nn.Module, name: str):
-    """The bitsandbytes quantization state of a stacked weight that is stored in 4 bits, else None."""
+def _dequantizer(experts: nn.Module, name: str) -> nn.Module | None:
+    """The bitsandbytes parametrization that dequantizes a stacked weight stored in 4 bits, else None."""
     if not parametrize.is_parametrized(experts, name):
         return None
     from bitsandbytes.nn.parametrize import Bnb4bitParametrization
 
     found = [p for p in experts.parametrizations[name] if isinstance(p, Bnb4bitParametrization)]
-    return found[0].quant_state if found else None
+    return found[0] if found else None
+
+
+def quant_state(experts: nn.Module, name: str):
+    """The bitsandbytes quantization state of a stacked weight that is stored in 4 bits, else None."""
+    dequantizer = _dequantizer(experts, name)
+    return dequantizer.quant_state if dequantizer is not None else None
 
 
 def only_quantized(experts: nn.Module, name: str) -> bool:
@@ -64,8 +70,9 @@ def compute_dtype(experts: nn.Module) -> torch.dtype:
     """The dtype the experts compute in outside autocast: the quantization's compute dtype for 4-bit experts,
     as for bitsandbytes' 4-bit linear layers (both then follow autocast where it is on); else their weights'."""
     name = stacked_weight_names(experts)[-1]
-    if quant_state(experts, name) is not None:
-        return experts.parametrizations[name][0].compute_dtype
+    dequantizer = _dequantizer(experts, name)
+    if dequantizer is not None:
+        return getattr(dequantizer, "compute_dtype", dequantizer.quant_state.dtype)
     return getattr(experts, name).dtype
 
 
@@ -166,8 +173,9 @@ def quantize_stacked_experts(model: nn.Module, settings: QuantizationConfig, sto
         current = getattr(model.config, "_experts_implementation", None)
         print(
             f"model: transformers cannot switch the experts of {type(model).__name__} to tuneforge's grouped "
-            f"forward; its 4-bit experts run through '{current}', which keeps each dequantized expert stack for "
-            "backward (more memory). model.quantization.skip_modules: [experts] keeps them in full precision instead"
+            f"forward; its 4-bit experts run through '{current}' in the dtype they were loaded in, which keeps each "
+            "dequantized expert stack for backward (more memory). model.quantization.skip_modules: [experts] keeps "
+            "them in full precision instead"
         )
     return len(blocks)
 

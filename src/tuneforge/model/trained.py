@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError
 from tuneforge.model.adapters import exact_targets
-from tuneforge.model.build import DTYPES
+from tuneforge.model.build import DTYPES, native_architecture
 from tuneforge.model.expert_lora import grouped_layers
 from tuneforge.model.portable_adapter import ADAPTER_CONFIG
 from tuneforge.model.quantize import bitsandbytes_config, keep_training_layout, storage_dtype
@@ -101,7 +101,8 @@ def adapter_base(checkpoint: Path, base: Path | None = None) -> str:
 
 
 def _load_base(path: str, adapter_meta: dict[str, Any], dequantize: bool) -> PreTrainedModel:
-    remote = bool(adapter_meta.get("trust_remote_code", False))
+    # As in training: transformers' own implementation where it has one (its experts are the stacked ones).
+    remote = bool(adapter_meta.get("trust_remote_code", False)) and not native_architecture(path)
     quantization = adapter_meta.get("quantization")
     if quantization is None:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=remote)
@@ -140,7 +141,9 @@ def _quantize_experts_as_trained(
     if count != recorded:
         raise UserError(
             f"{path}: {count} experts module(s) of this base are stored in 4 bits, but the adapter trained with "
-            f"{recorded}: it is not the base the adapter was trained on; pass --base DIR with that model"
+            f"{recorded}: it is not the base the adapter was trained on, or it loads with other code than in "
+            "training (another transformers version); pass --base DIR with that model, in the training's "
+            "environment"
         )
 
 
