@@ -40,6 +40,11 @@ def deepseek():
     return skeleton("deepseek-v2-lite-chat")
 
 
+@pytest.fixture(scope="module")
+def mixtral():
+    return skeleton("mixtral-8x7b")
+
+
 def config(**sections) -> Config:
     model = {"path": "some/model", "dtype": "bfloat16", **sections.pop("model", {})}
     return Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}, **sections})
@@ -253,3 +258,22 @@ def test_a_device_name_finds_its_row_in_the_one_table(reported, memory, key):
         ACCELERATORS[key].memory_bytes_per_s,
     )
     assert accelerator_for("Some Future GPU", 200.0).bf16_flops is None
+
+
+def test_a_4bit_moe_too_big_to_load_onto_one_gpu_is_staged_in_host_ram(mixtral, deepseek):
+    """QLoRA on Mixtral-8x7B on one H100: its stacked experts arrive in bf16 (90 GB) before they are quantized.
+    Loaded onto the GPU that does not fit; staged in host RAM the GPU holds one expert stack unquantized."""
+    capacity = H100.memory_gib * 2**30
+    results = {}
+    for staging in ("device", "auto", "host"):
+        cfg = config(model={**LORA, "quantization": {"bits": 4, "stage_experts": staging}})
+        results[staging] = (estimate(cfg, mixtral, "single", 1, H100), check_single(cfg, mixtral, H100)[0])
+    (on_device, device_check), (auto, auto_check) = results["device"], results["auto"]
+    assert on_device.load_gpu > capacity and on_device.load_host == 0
+    assert device_check.status == WARN and "stage_experts=auto (or host)" in device_check.fix
+    assert auto.load_gpu < 0.35 * capacity and auto.load_host == pytest.approx(on_device.load_gpu)
+    assert auto_check.status == PASS and "host RAM 85 GiB per node while loading" in auto_check.detail
+    assert results["host"][0].load_gpu == auto.load_gpu
+    # The report's job fits its GPUs as loaded: auto keeps the fast load onto them.
+    job = config(model={**LORA, "quantization": {"bits": 4}}, parallel={"engine": "deepspeed"})
+    assert estimate(job, deepseek, "deepspeed", 8, H100).load_host == 0

@@ -358,7 +358,13 @@ def _memory_fix(cfg: Config, traits: EngineTraits, est: Estimate) -> str:
     """The change that removes the largest part of the excess."""
     capacity = est.accelerator.memory_gib * GIB
     if est.load_gpu > capacity >= est.gpu_bytes:
-        if cfg.model.quantization is not None:
+        quantization = cfg.model.quantization
+        if quantization is not None and quantization.bits == 4 and quantization.stage_experts == "device":
+            return (
+                "set model.quantization.stage_experts=auto (or host): the model then loads into host RAM and its "
+                "stacked experts reach the GPU one at a time to be quantized"
+            )
+        if quantization is not None:
             return (
                 "each rank loads the 4-bit model onto its GPU with the unquantized rest in fp32 before sharding: "
                 "drop model.quantization and let ZeRO-3/FSDP shard 16-bit weights"

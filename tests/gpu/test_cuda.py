@@ -158,3 +158,31 @@ def test_4bit_experts_on_cuda_compute_with_their_dequantized_values_without_host
         quantized(input_ids=ids).logits.float().pow(2).mean().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_4bit_moe_staged_in_host_ram_loads_as_it_does_onto_the_gpu(tokenizer, tmp_path):
+    """stage_experts=host: the model loads on the CPU and each expert stack is quantized on the GPU alone; the
+    result is the model a load onto the GPU gives (the experts bit for bit), all of it on the GPU."""
+    pytest.importorskip("bitsandbytes")
+    from tuneforge.config.schema import LoraSettings, ModelConfig, QuantizationConfig
+    from tuneforge.model.build import _load
+    from tuneforge.model.quantized_experts import quantized_experts_count
+
+    from conftest import tiny_qwen3_moe
+
+    tiny_qwen3_moe(tokenizer).to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    loaded = {}
+    for staging in ("device", "host"):
+        settings = QuantizationConfig(bits=4, compute_dtype="bfloat16", stage_experts=staging)
+        cfg = ModelConfig(path=str(tmp_path / "base"), dtype="bfloat16", quantization=settings, lora=LoraSettings())
+        model = _load(str(tmp_path / "base"), cfg, CUDA, sharded_engine=False)
+        assert quantized_experts_count(model) > 0
+        assert {p.device.type for p in model.parameters()} == {"cuda"}
+        loaded[staging] = model
+    for (name, a), (_, b) in zip(loaded["device"].named_parameters(), loaded["host"].named_parameters(), strict=True):
+        if ".experts." in name:
+            assert torch.equal(a, b), name
+    ids = torch.randint(3, len(tokenizer), (2, 32), generator=torch.Generator().manual_seed(2)).to(CUDA)
+    with torch.no_grad():
+        logits = [loaded[s](input_ids=ids).logits.float() for s in ("device", "host")]
+    torch.testing.assert_close(logits[0], logits[1], atol=3e-2, rtol=3e-2)

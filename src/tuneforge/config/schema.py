@@ -76,6 +76,12 @@ class QuantizationConfig(Section):
     """Dtype the packed 4-bit data is stored in. `auto`: the compute dtype under DeepSpeed ZeRO-3 and FSDP
     (they can only shard floating-point parameters), else uint8."""
 
+    stage_experts: Literal["auto", "device", "host"] = "auto"
+    """Where a 4-bit model with stacked routed experts loads before tuneforge quantizes them (GPU runs):
+    `device` loads it onto the GPU, which holds the experts in the load dtype for a moment; `host` loads it
+    into host RAM (a copy per rank) and quantizes one expert stack at a time on the GPU; `auto` takes `device`
+    where that fits 90% of the GPU's free memory, else `host`."""
+
     skip_modules: list[str] = Field(default_factory=list)
     """Modules kept in full precision besides the output head, matched as `transformers` matches them: a name
     suffix (`experts`), a path prefix up to a module boundary (`model.layers.1`) or a regular expression

@@ -44,7 +44,7 @@ def estimate(
     compute_bytes = 2 if train.precision in ("bf16", "fp16") else 4
     kbit = kbit_bytes(quantization.bits, quantization.double_quant) if quantization is not None else 0.0
     s = model_shapes(cfg, skeleton, moe, compute_bytes)
-    memory = memory_use(cfg, s, traits, world_size, per_node, compute_bytes, kbit)
+    memory = memory_use(cfg, s, traits, world_size, per_node, compute_bytes, kbit, accelerator.memory_gib * GIB)
     tokens_micro = train.micro_batch_size * cfg.data.max_length
     groups = world_size // par.sequence_parallel  # a sequence-parallel group of ranks shares its rows
     tokens_step = groups * train.gradient_accumulation * tokens_micro

@@ -9,6 +9,7 @@ from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import GIB
 from tuneforge.estimate.shapes import ModelShapes, count_label
+from tuneforge.model.staging import choose_staging, device_load_bytes, host_staged_gpu_bytes
 from tuneforge.train.fused_loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
 
 GATHERED_LAYERS = 2  # sharded engines hold the decoder layer computing and the one prefetched, unsharded
@@ -47,6 +48,7 @@ def memory_use(
     per_node: int,
     compute_bytes: int,
     kbit: float,
+    gpu_capacity: float = float("inf"),
 ) -> Memory:
     """Where every byte of a training step lives, for `world_size` ranks with `per_node` to a node."""
     par, train, quantization = cfg.parallel, cfg.train, cfg.model.quantization
@@ -137,10 +139,18 @@ def memory_use(
 
     total_params = s.quantized + s.frozen + s.trainable
     if quantization is not None:  # loaded onto each GPU, the rest upcast to fp32 before the engine casts it
-        # Stacked experts arrive in the model's dtype and are quantized once all weights are loaded.
-        rest = s.frozen + s.trainable
-        loaded = (s.quantized - s.stacked_quantized) * kbit + (s.stacked_quantized + rest) * model_bytes
-        load_gpu, load_host = max(loaded, s.quantized * kbit + rest * 4), 0.0
+        # Stacked experts arrive in the model's dtype and are quantized once all weights are loaded: on the GPU,
+        # or staged in host RAM (a copy per rank) and brought to the GPU one stack at a time.
+        rest, linear = s.frozen + s.trainable, s.quantized - s.stacked_quantized
+        loaded = device_load_bytes(s.stacked_quantized, linear, rest, model_bytes, kbit)
+        load_host = 0.0
+        free = gpu_capacity - CUDA_OVERHEAD_GIB * GIB
+        if s.stacked_quantized and choose_staging(quantization.stage_experts, loaded, free) == "host":
+            load_host = per_node * loaded
+            loaded = host_staged_gpu_bytes(
+                s.stacked_quantized, s.stacked_quantized_largest, linear, rest, model_bytes, kbit
+            )
+        load_gpu = max(loaded, s.quantized * kbit + rest * 4)
     else:  # each rank reads the whole model into host RAM; the engine moves it whole to its GPU to shard it
         load_host = per_node * total_params * model_bytes
         load_gpu = total_params * model_bytes if sharded_engine and not offload_weights else 0.0

@@ -94,7 +94,8 @@ def assumptions(cfg: Config, traits: EngineTraits, s: ModelShapes) -> list[str]:
         notes.append(
             "4-bit stacked experts: the whole stack rebuilt in the compute dtype on every pass (forward, backward, "
             f"recompute), ~{DEQUANTIZE_BYTES} bytes of GPU memory traffic per value; loaded in the model's dtype "
-            "before they are quantized"
+            "before they are quantized, onto the GPU where that fits 90% of it less 3 GiB (stage_experts=auto), "
+            "else into host RAM and to the GPU one stack at a time"
         )
     if cfg.model.quantization is not None:
         notes.append(

@@ -26,10 +26,12 @@ from tuneforge.model.quantize import (
     bitsandbytes_config,
     check_cpu_kernel_sizes,
     keep_training_layout,
+    quantized_linears,
     storage_dtype,
     stored_numel,
 )
-from tuneforge.model.quantized_experts import quantize_stacked_experts
+from tuneforge.model.quantized_experts import quantize_stacked_experts, stacked_numel
+from tuneforge.model.staging import Staging, choose_staging, device_load_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,14 +111,16 @@ def native_architecture(path: str) -> bool:
 def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: bool) -> PreTrainedModel:
     remote = cfg.trust_remote_code and not native_architecture(path)
     options: dict = {"dtype": DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
+    staging: Staging = "device"
     if cfg.quantization is not None:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
         if device.type == "cpu":
-            config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
-            with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
             check_cpu_kernel_sizes(skeleton, cfg.quantization)
+        staging = _staging(skeleton, cfg, device)
         options["quantization_config"] = bitsandbytes_config(cfg.quantization, sharded_engine)
-        options["device_map"] = {"": device}
+        options["device_map"] = {"": "cpu" if staging == "host" else device}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote, **options)
     except OSError as exc:
@@ -131,8 +135,32 @@ def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: boo
     if cfg.quantization is not None:
         keep_training_layout(model)
         if cfg.quantization.bits == 4:
-            quantize_stacked_experts(model, cfg.quantization, storage_dtype(cfg.quantization, sharded_engine))
+            storage = storage_dtype(cfg.quantization, sharded_engine)
+            quantize_stacked_experts(model, cfg.quantization, storage, device if staging == "host" else None)
+        if staging == "host":
+            model.to(device)  # the k-bit linear layers carry their quantization state along
     return model
+
+
+def _staging(skeleton: torch.nn.Module, cfg: ModelConfig, device: torch.device) -> Staging:
+    """Where the 4-bit model loads before its stacked experts are quantized (see `tuneforge.model.staging`)."""
+    settings = cfg.quantization
+    stacked = stacked_numel(skeleton, settings)
+    if not stacked or device.type == "cpu":  # host RAM is the device's memory
+        return "device"
+    linear = sum(module.weight.numel() for _, module in quantized_linears(skeleton, settings))
+    rest = sum(p.numel() for p in skeleton.parameters()) - stacked - linear
+    load_bytes = DTYPES[cfg.dtype].itemsize
+    on_device = device_load_bytes(stacked, linear, rest, load_bytes, kbit=0.5)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else float("inf")
+    staging = choose_staging(settings.stage_experts, on_device, free)
+    if staging == "host":
+        print(
+            f"model: loading into host RAM first (model.quantization.stage_experts={settings.stage_experts}): on "
+            f"{device} it would take {on_device / 2**30:.1f} GiB with the stacked experts in {cfg.dtype}, "
+            f"{free / 2**30:.1f} GiB are free; each expert stack is quantized on {device} alone"
+        )
+    return staging
 
 
 def build_model(

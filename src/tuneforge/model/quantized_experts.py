@@ -127,13 +127,16 @@ def _dequantize_class() -> type:
     return _DEQUANTIZE
 
 
-def _quantize_weight(experts: nn.Module, name: str, settings: QuantizationConfig, storage: torch.dtype) -> None:
+def _quantize_weight(
+    experts: nn.Module, name: str, settings: QuantizationConfig, storage: torch.dtype, device: torch.device | None
+) -> None:
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnb_functional
 
     weight = getattr(experts, name)
+    values = weight.data if device is None else weight.data.to(device)  # from host RAM: this stack only
     packed, state = bnb_functional.quantize_4bit(
-        weight.data.reshape(-1),
+        values.reshape(-1),
         compress_statistics=settings.double_quant,
         quant_type=settings.quant_type,
         quant_storage=storage,
@@ -152,18 +155,21 @@ def _quantize_weight(experts: nn.Module, name: str, settings: QuantizationConfig
     )
     state.shape = weight.shape  # quantized flat (see _dequantize_class); read in its own shape
     setattr(experts, name, stored)
-    del weight
+    del weight, values
     dequantize = _dequantize_class()(state, QUANT_DTYPES[settings.compute_dtype])
     parametrize.register_parametrization(experts, name, dequantize, unsafe=True)
 
 
-def quantize_stacked_experts(model: nn.Module, settings: QuantizationConfig, storage: torch.dtype) -> int:
-    """Quantizes the stacked expert weights of `model` in place (4-bit settings); returns how many experts
-    modules were. Their experts then run through `tuneforge_grouped`."""
+def quantize_stacked_experts(
+    model: nn.Module, settings: QuantizationConfig, storage: torch.dtype, device: torch.device | None = None
+) -> int:
+    """Quantizes the stacked expert weights of `model` in place (4-bit settings), on `device` if given (each
+    stack is moved there alone: a model staged in host RAM); returns how many experts modules were. Their
+    experts then run through `tuneforge_grouped`."""
     blocks = quantizable_experts(model, settings)
     for _, experts in blocks:
         for name in stacked_weight_names(experts):
-            _quantize_weight(experts, name, settings, storage)
+            _quantize_weight(experts, name, settings, storage, device)
     if not blocks:
         return 0
     if model._can_set_experts_implementation():
