@@ -19,7 +19,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from tuneforge.config.schema import ModelConfig
 from tuneforge.data.byte_tokenizer import build_byte_tokenizer
-from tuneforge.distributed import DistInfo, barrier
+from tuneforge.distributed import DistInfo, barrier, gather_objects
 from tuneforge.errors import UserError
 from tuneforge.model import packed_attention
 from tuneforge.model.quantize import (
@@ -108,7 +108,9 @@ def native_architecture(path: str) -> bool:
     return True
 
 
-def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: bool) -> PreTrainedModel:
+def _load(
+    path: str, cfg: ModelConfig, device: torch.device, sharded_engine: bool, info: DistInfo | None = None
+) -> PreTrainedModel:
     remote = cfg.trust_remote_code and not native_architecture(path)
     options: dict = {"dtype": DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
     staging: Staging = "device"
@@ -118,7 +120,7 @@ def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: boo
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
         if device.type == "cpu":
             check_cpu_kernel_sizes(skeleton, cfg.quantization)
-        staging = _staging(skeleton, cfg, device)
+        staging = _staging(skeleton, cfg, device, info)
         options["quantization_config"] = bitsandbytes_config(cfg.quantization, sharded_engine)
         options["device_map"] = {"": "cpu" if staging == "host" else device}
     try:
@@ -142,8 +144,9 @@ def _load(path: str, cfg: ModelConfig, device: torch.device, sharded_engine: boo
     return model
 
 
-def _staging(skeleton: torch.nn.Module, cfg: ModelConfig, device: torch.device) -> Staging:
-    """Where the 4-bit model loads before its stacked experts are quantized (see `tuneforge.model.staging`)."""
+def _staging(skeleton: torch.nn.Module, cfg: ModelConfig, device: torch.device, info: DistInfo | None) -> Staging:
+    """Where the 4-bit model loads before its stacked experts are quantized (see `tuneforge.model.staging`); the
+    same on every rank (each rank's model must be the same), decided on the least free GPU memory."""
     settings = cfg.quantization
     stacked = stacked_numel(skeleton, settings)
     if not stacked or device.type == "cpu":  # host RAM is the device's memory
@@ -153,8 +156,10 @@ def _staging(skeleton: torch.nn.Module, cfg: ModelConfig, device: torch.device) 
     load_bytes = DTYPES[cfg.dtype].itemsize
     on_device = device_load_bytes(stacked, linear, rest, load_bytes, kbit=0.5)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else float("inf")
+    if info is not None:
+        free = min(gather_objects(free, info))
     staging = choose_staging(settings.stage_experts, on_device, free)
-    if staging == "host":
+    if staging == "host" and (info is None or info.is_main):
         print(
             f"model: loading into host RAM first (model.quantization.stage_experts={settings.stage_experts}): on "
             f"{device} it would take {on_device / 2**30:.1f} GiB with the stacked experts in {cfg.dtype}, "
@@ -189,9 +194,9 @@ def build_model(
             barrier(info)
             model.name_or_path = str(base_dir.resolve())
             if cfg.quantization is not None:
-                model = _load(str(base_dir), cfg, info.device, sharded_engine)
+                model = _load(str(base_dir), cfg, info.device, sharded_engine, info)
     else:
-        model = _load(cfg.path, cfg, info.device, sharded_engine)
+        model = _load(cfg.path, cfg, info.device, sharded_engine, info)
     if cfg.attn_implementation == "sdpa" and model._can_set_attn_implementation():
         # A masked SDPA computes every packed row's whole square (and on GPUs loses the flash kernel): attend
         # within each sample instead, samples batched by length.
