@@ -277,3 +277,18 @@ def test_a_4bit_moe_too_big_to_load_onto_one_gpu_is_staged_in_host_ram(mixtral, 
     # The report's job fits its GPUs as loaded: auto keeps the fast load onto them.
     job = config(model={**LORA, "quantization": {"bits": 4}}, parallel={"engine": "deepspeed"})
     assert estimate(job, deepseek, "deepspeed", 8, H100).load_host == 0
+
+
+def test_the_staging_rule_and_its_host_ram_check():
+    """The run and the estimate share the rule: onto the GPU within 90% of its free memory, else host RAM,
+    which must hold a copy per rank of the node."""
+    from tuneforge.errors import UserError
+    from tuneforge.model.staging import check_host_room, choose_staging
+
+    gib = 2**30
+    assert choose_staging("auto", 69 * gib, 77 * gib) == "device"
+    assert choose_staging("auto", 70 * gib, 77 * gib) == "host"
+    assert choose_staging("device", 100 * gib, 1 * gib) == "device" and choose_staging("host", 1, 100) == "host"
+    check_host_room("auto", 85 * gib, 77 * gib, 200 * gib, 2)
+    with pytest.raises(UserError, match=r"needs 8 x 85\.0 GiB \(a copy per rank on this node\), 200\.0 GiB are"):
+        check_host_room("auto", 85 * gib, 77 * gib, 200 * gib, 8)

@@ -354,12 +354,12 @@ def check_environment(environ: dict[str, str] | None = None) -> Check:
     return Check(name, PASS, "no variable names absent hardware")
 
 
-def _memory_fix(cfg: Config, traits: EngineTraits, est: Estimate) -> str:
+def _memory_fix(cfg: Config, traits: EngineTraits, est: Estimate, staged_fits: bool = False) -> str:
     """The change that removes the largest part of the excess."""
     capacity = est.accelerator.memory_gib * GIB
     if est.load_gpu > capacity >= est.gpu_bytes:
         quantization = cfg.model.quantization
-        if quantization is not None and quantization.bits == 4 and quantization.stage_experts == "device":
+        if staged_fits:
             return (
                 "set model.quantization.stage_experts=auto (or host): the model then loads into host RAM and its "
                 "stacked experts reach the GPU one at a time to be quantized"
@@ -412,7 +412,17 @@ def check_estimate(
         loading = " while loading" if est.load_host > est.host_bytes else ""
         detail += f"; host RAM {max(est.host_bytes, est.load_host) / GIB:.0f} GiB per node{loading}"
     if not est.fits:
-        memory = Check("memory estimate", WARN, detail + ": does not fit", _memory_fix(cfg, traits, est), report)
+        staged_fits = False
+        quantization = cfg.model.quantization
+        if quantization is not None and quantization.stage_experts == "device":
+            staged = quantization.model_copy(update={"stage_experts": "host"})
+            alternative = cfg.model_copy(update={"model": cfg.model.model_copy(update={"quantization": staged})})
+            staged_est = estimate(
+                alternative, skeleton, traits, world_size, accelerator, gpus_per_node, num_samples, moe
+            )
+            staged_fits = staged_est.fits and staged_est.load_gpu < est.load_gpu  # a model with stacked experts
+        fix = _memory_fix(cfg, traits, est, staged_fits)
+        memory = Check("memory estimate", WARN, detail + ": does not fit", fix, report)
     else:
         memory = Check("memory estimate", PASS, detail, report=report)
     if est.step_s is None:

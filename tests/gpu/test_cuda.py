@@ -160,7 +160,8 @@ def test_4bit_experts_on_cuda_compute_with_their_dequantized_values_without_host
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_a_4bit_moe_staged_in_host_ram_loads_as_it_does_onto_the_gpu(tokenizer, tmp_path):
+@pytest.mark.parametrize("sharded_engine", [False, True], ids=["uint8-storage", "bf16-storage"])
+def test_a_4bit_moe_staged_in_host_ram_loads_as_it_does_onto_the_gpu(tokenizer, tmp_path, sharded_engine):
     """stage_experts=host: the model loads on the CPU and each expert stack is quantized on the GPU alone; the
     result is the model a load onto the GPU gives (the experts bit for bit), all of it on the GPU."""
     pytest.importorskip("bitsandbytes")
@@ -175,9 +176,12 @@ def test_a_4bit_moe_staged_in_host_ram_loads_as_it_does_onto_the_gpu(tokenizer, 
     for staging in ("device", "host"):
         settings = QuantizationConfig(bits=4, compute_dtype="bfloat16", stage_experts=staging)
         cfg = ModelConfig(path=str(tmp_path / "base"), dtype="bfloat16", quantization=settings, lora=LoraSettings())
-        model = _load(str(tmp_path / "base"), cfg, CUDA, sharded_engine=False)
+        model = _load(str(tmp_path / "base"), cfg, CUDA, sharded_engine=sharded_engine)
         assert quantized_experts_count(model) > 0
         assert {p.device.type for p in model.parameters()} == {"cuda"}
+        # The linear layers' quantization state (double quant's nested state too) came along.
+        states = [m.weight.quant_state for m in model.modules() if hasattr(getattr(m, "weight", None), "quant_state")]
+        assert states and all(s.absmax.is_cuda and s.state2.absmax.is_cuda for s in states)
         loaded[staging] = model
     for (name, a), (_, b) in zip(loaded["device"].named_parameters(), loaded["host"].named_parameters(), strict=True):
         if ".experts." in name:

@@ -21,9 +21,10 @@ from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import ACCELERATORS, GIB, Accelerator, local_accelerator
 from tuneforge.estimate.memory import memory_use
 from tuneforge.estimate.report import Estimate, assumptions, format_estimate
-from tuneforge.estimate.shapes import kbit_bytes, model_shapes
+from tuneforge.estimate.shapes import model_shapes
 from tuneforge.estimate.timing import step_times
 from tuneforge.model.moe import MoEMap, find_moe
+from tuneforge.model.quantize import kbit_bytes
 
 
 def estimate(

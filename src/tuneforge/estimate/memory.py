@@ -9,7 +9,7 @@ from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import GIB
 from tuneforge.estimate.shapes import ModelShapes, count_label
-from tuneforge.model.staging import choose_staging, device_load_bytes, host_staged_gpu_bytes
+from tuneforge.model.staging import LOAD_CONTEXT_BYTES, choose_staging, device_load_bytes, host_staged_gpu_bytes
 from tuneforge.train.fused_loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
 
 GATHERED_LAYERS = 2  # sharded engines hold the decoder layer computing and the one prefetched, unsharded
@@ -144,7 +144,7 @@ def memory_use(
         rest, linear = s.frozen + s.trainable, s.quantized - s.stacked_quantized
         loaded = device_load_bytes(s.stacked_quantized, linear, rest, model_bytes, kbit)
         load_host = 0.0
-        free = gpu_capacity - CUDA_OVERHEAD_GIB * GIB
+        free = gpu_capacity - LOAD_CONTEXT_BYTES
         if s.stacked_quantized and choose_staging(quantization.stage_experts, loaded, free) == "host":
             load_host = per_node * loaded
             loaded = host_staged_gpu_bytes(

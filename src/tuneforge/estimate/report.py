@@ -60,6 +60,14 @@ class Estimate:
         return self.peak_gpu <= self.accelerator.memory_gib * GIB
 
 
+STAGING_NOTES = {
+    "auto": "onto the GPU where that fits 90% of its memory less 1 GiB (stage_experts=auto), else into host RAM "
+    "(a copy per rank) and to the GPU one stack at a time",
+    "device": "onto the GPU (stage_experts=device)",
+    "host": "into host RAM (stage_experts=host, a copy per rank), to the GPU one stack at a time",
+}
+
+
 def assumptions(cfg: Config, traits: EngineTraits, s: ModelShapes) -> list[str]:
     slower = [f"routed-expert matmuls at x{EXPERT_EFFICIENCY}"] if s.active_routed else []
     slower += [f"k-bit ones at x{QUANTIZED_EFFICIENCY}"] if s.active_quantized else []
@@ -94,8 +102,7 @@ def assumptions(cfg: Config, traits: EngineTraits, s: ModelShapes) -> list[str]:
         notes.append(
             "4-bit stacked experts: the whole stack rebuilt in the compute dtype on every pass (forward, backward, "
             f"recompute), ~{DEQUANTIZE_BYTES} bytes of GPU memory traffic per value; loaded in the model's dtype "
-            "before they are quantized, onto the GPU where that fits 90% of it less 3 GiB (stage_experts=auto), "
-            "else into host RAM and to the GPU one stack at a time"
+            f"before they are quantized: {STAGING_NOTES[cfg.model.quantization.stage_experts]}"
         )
     if cfg.model.quantization is not None:
         notes.append(

@@ -16,9 +16,6 @@ from tuneforge.model.quantize import matches_module_name, quantized_linears
 from tuneforge.model.quantized_experts import quantizable_weights
 from tuneforge.model.structure import decoder_layers
 
-QUANT_BLOCK = 64  # bitsandbytes 4-bit: one absmax constant per 64 weights (fp32, or 8-bit with double quant)
-DOUBLE_QUANT_GROUP = 256  # double quantization: one fp32 constant per 256 absmax values
-
 
 @dataclass(frozen=True)
 class ModelShapes:
@@ -183,11 +180,3 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
 def count_label(values: float) -> str:
     """A parameter count as the estimate prints it: billions from 0.1B up, else millions."""
     return f"{values / 1e9:.2f}B" if values >= 1e8 else f"{values / 1e6:.1f}M"
-
-
-def kbit_bytes(bits: int, double_quant: bool) -> float:
-    """Bytes per k-bit weight, quantization constants included."""
-    if bits == 8:
-        return 1.0  # plus one fp32 scale per row: negligible
-    constants = 8 / QUANT_BLOCK + 32 / (QUANT_BLOCK * DOUBLE_QUANT_GROUP) if double_quant else 32 / QUANT_BLOCK
-    return (4 + constants) / 8

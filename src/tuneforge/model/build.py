@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from pathlib import Path
 
 import torch
@@ -25,13 +26,20 @@ from tuneforge.model import packed_attention
 from tuneforge.model.quantize import (
     bitsandbytes_config,
     check_cpu_kernel_sizes,
+    kbit_bytes,
     keep_training_layout,
     quantized_linears,
     storage_dtype,
     stored_numel,
 )
 from tuneforge.model.quantized_experts import quantize_stacked_experts, stacked_numel
-from tuneforge.model.staging import Staging, choose_staging, device_load_bytes
+from tuneforge.model.staging import (
+    Staging,
+    available_host_bytes,
+    check_host_room,
+    choose_staging,
+    device_load_bytes,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,6 +116,19 @@ def native_architecture(path: str) -> bool:
     return True
 
 
+def _skeleton(path: str, remote: bool, required: bool) -> torch.nn.Module | None:
+    """The model without weights (meta device), to read its shapes before loading; None where its code cannot
+    build it so and the caller can do without."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+    except Exception:  # remote code may need real tensors (a custom init): then the shapes are unknown
+        if required:
+            raise
+        return None
+
+
 def _load(
     path: str, cfg: ModelConfig, device: torch.device, sharded_engine: bool, info: DistInfo | None = None
 ) -> PreTrainedModel:
@@ -115,9 +136,7 @@ def _load(
     options: dict = {"dtype": DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
     staging: Staging = "device"
     if cfg.quantization is not None:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+        skeleton = _skeleton(path, remote, required=device.type == "cpu")
         if device.type == "cpu":
             check_cpu_kernel_sizes(skeleton, cfg.quantization)
         staging = _staging(skeleton, cfg, device, info)
@@ -144,21 +163,37 @@ def _load(
     return model
 
 
-def _staging(skeleton: torch.nn.Module, cfg: ModelConfig, device: torch.device, info: DistInfo | None) -> Staging:
+def _staging(
+    skeleton: torch.nn.Module | None, cfg: ModelConfig, device: torch.device, info: DistInfo | None
+) -> Staging:
     """Where the 4-bit model loads before its stacked experts are quantized (see `tuneforge.model.staging`); the
-    same on every rank (each rank's model must be the same), decided on the least free GPU memory."""
+    same on every rank (each rank's model must be the same), decided on the least free memory of any rank."""
     settings = cfg.quantization
+    if device.type == "cpu":  # host RAM is the device's memory
+        return "device"
+    if skeleton is None:
+        if settings.stage_experts == "host":
+            raise UserError(
+                "model.quantization.stage_experts=host: the model's shapes cannot be read without loading it "
+                "(its remote code does not build on the meta device); use auto or device"
+            )
+        if info is None or info.is_main:
+            print("model: its shapes cannot be read before loading (remote code): loading onto the GPU")
+        return "device"
     stacked = stacked_numel(skeleton, settings)
-    if not stacked or device.type == "cpu":  # host RAM is the device's memory
+    if not stacked:
         return "device"
     linear = sum(module.weight.numel() for _, module in quantized_linears(skeleton, settings))
     rest = sum(p.numel() for p in skeleton.parameters()) - stacked - linear
-    load_bytes = DTYPES[cfg.dtype].itemsize
-    on_device = device_load_bytes(stacked, linear, rest, load_bytes, kbit=0.5)
+    kbit = kbit_bytes(settings.bits, settings.double_quant)
+    on_device = device_load_bytes(stacked, linear, rest, DTYPES[cfg.dtype].itemsize, kbit)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else float("inf")
-    if info is not None:
-        free = min(gather_objects(free, info))
+    host = available_host_bytes()
+    if info is not None:  # one decision for all ranks
+        free, host = (min(values) for values in zip(*gather_objects((free, host), info), strict=True))
     staging = choose_staging(settings.stage_experts, on_device, free)
+    if staging == "host":
+        check_host_room(settings.stage_experts, on_device, free, host, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if staging == "host" and (info is None or info.is_main):
         print(
             f"model: loading into host RAM first (model.quantization.stage_experts={settings.stage_experts}): on "

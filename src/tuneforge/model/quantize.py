@@ -12,6 +12,9 @@ from tuneforge.errors import UserError
 CPU_BLOCK = 32
 """bitsandbytes' CPU 4-bit kernels split a layer's outputs into blocks of this many rows."""
 
+QUANT_BLOCK = 64  # bitsandbytes 4-bit: one absmax constant per 64 weights (fp32, or 8-bit with double quant)
+DOUBLE_QUANT_GROUP = 256  # double quantization: one fp32 constant per 256 absmax values
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
 
 
@@ -107,3 +110,11 @@ def keep_training_layout(model: nn.Module) -> int:
             module.support_avx512bf16_for_cpu = False
             count += 1
     return count
+
+
+def kbit_bytes(bits: int, double_quant: bool) -> float:
+    """Bytes per k-bit weight, quantization constants included."""
+    if bits == 8:
+        return 1.0  # plus one fp32 scale per row: negligible
+    constants = 8 / QUANT_BLOCK + 32 / (QUANT_BLOCK * DOUBLE_QUANT_GROUP) if double_quant else 32 / QUANT_BLOCK
+    return (4 + constants) / 8
