@@ -251,3 +251,24 @@ def test_peft_form_on_4bit_experts_is_refused_with_the_fix(tokenizer):
         make_trainable(model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
     assert "are stored in 4 bits" in str(error.value)
     assert "model.lora.grouped_experts: true" in str(error.value) and "skip_modules: [experts]" in str(error.value)
+
+
+def test_staging_is_decided_from_the_models_shapes_and_refused_without_host_room(tokenizer, monkeypatch, capsys):
+    """`_staging` on a device that is not the CPU (here `meta`, whose free memory is unbounded): auto loads
+    onto it, host stages, and a node whose ranks cannot each hold a copy in host RAM is refused up front."""
+    from tuneforge.model.build import _staging
+
+    model = tiny_deepseek_v2(tokenizer)
+    meta = torch.device("meta")
+    cfg = ModelConfig(architecture="llama", tokenizer="bytes", lora=LoraSettings(), quantization=SETTINGS)
+    assert _staging(model, cfg, torch.device("cpu"), None) == "device"
+    assert _staging(model, cfg, meta, None) == "device"
+    host = cfg.model_copy(update={"quantization": SETTINGS.model_copy(update={"stage_experts": "host"})})
+    assert _staging(model, host, meta, None) == "host"
+    assert "model: loading into host RAM first (model.quantization.stage_experts=host)" in capsys.readouterr().out
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(10**12))  # more copies than any machine holds
+    with pytest.raises(UserError, match="staging the model in host RAM needs 1000000000000 x"):
+        _staging(model, host, meta, None)
+    # With every experts module kept in full precision there is nothing to stage.
+    skipped = SETTINGS.model_copy(update={"stage_experts": "host", "skip_modules": ["experts"]})
+    assert _staging(model, cfg.model_copy(update={"quantization": skipped}), meta, None) == "device"
