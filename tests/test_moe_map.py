@@ -12,9 +12,18 @@ from tuneforge.model.adapters import make_trainable
 from tuneforge.model.moe import find_moe
 from tuneforge.model.router_balance import attach_router_balance, combine, routing_stats
 from tuneforge.train.loop import accumulate_gradients
-from tuneforge.train.telemetry import active_matmul_parameters
+from tuneforge.train.telemetry import active_matmul_parameters, model_flops_per_token
 
-from conftest import chat, rows_batch, single_engine, tiny_deepseek_v2, tiny_mixtral, tiny_qwen3_moe, tokenized
+from conftest import (
+    chat,
+    rows_batch,
+    single_engine,
+    tiny_deepseek_v2,
+    tiny_llama,
+    tiny_mixtral,
+    tiny_qwen3_moe,
+    tokenized,
+)
 
 MOE_MODELS = {"deepseek_v2": tiny_deepseek_v2, "mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe}
 EXPECTED = {
@@ -52,15 +61,32 @@ def test_the_map_of_the_base_drives_router_loss_and_telemetry_after_adapters_wra
     assert ("experts.gate_up_proj" in notes[-1]) == experts
     wrapped = set(map(id, model.modules()))
     assert all(id(b.module) in wrapped and id(b.router) in wrapped for b in moe)
-    # Adapters add trainable values; the routed experts still count by their top-k share.
-    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    # Adapters add trainable values; the routed experts, and the adapters on them, count by their top-k share.
+    lora = {n: p.numel() for n, p in model.named_parameters() if "lora_" in n}
+    on_experts = sum(v for n, v in lora.items() if ".experts." in n)
+    assert (on_experts > 0) == experts
+    adapters = sum(lora.values()) - on_experts + on_experts * 2 / 4
     assert active_matmul_parameters(model, moe) - active_before == adapters
+    # The frozen base needs forward and input-gradient FLOPs only; adapters their own gradients too.
+    assert model_flops_per_token(model, moe) == 4 * active_before + 6 * adapters
     balance, note = attach_router_balance(moe, model.config, None)
     assert f"over {len(blocks)} MoE layers, top-2 routing" in note
     step = accumulate_gradients(single_engine(model), [batch_of(tokenizer)], "fp32", balance=balance)
     assert step.router_aux_loss is not None and 1.0 < step.router_aux_loss < 4.0
     router_grads = [b.router.weight.grad for b in moe]
     assert all(g is None for g in router_grads)  # routers are frozen under LoRA: the loss reaches adapters only
+
+
+def test_full_fine_tuning_needs_six_flops_per_parameter_and_frozen_parts_four(tokenizer):
+    model = tiny_llama(tokenizer)
+    assert not model.config.tie_word_embeddings
+    moe = find_moe(model)
+    matmul = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert active_matmul_parameters(model, moe) == matmul
+    assert model_flops_per_token(model, moe) == 6 * matmul
+    head = model.get_output_embeddings().weight
+    head.requires_grad_(False)
+    assert model_flops_per_token(model, moe) == 6 * matmul - 2 * head.numel()
 
 
 def test_an_embedding_beside_a_list_of_as_many_layers_is_not_a_router():

@@ -380,8 +380,7 @@ class Trainer:
             "padding": 1 - accumulated.num_tokens / accumulated.num_slots,
             "elapsed_s": time.monotonic() - self.started,
         }
-        # Model FLOPs: 6 x active parameters per token (forward and backward), the attention term left out.
-        flops = 6 * self.parts.active_parameters * accumulated.num_tokens / seconds
+        flops = self.parts.flops_per_token * accumulated.num_tokens / seconds
         record["model_tflops"] = flops / 1e12
         if self.peak_flops:
             record["mfu"] = flops / (self.peak_flops * info.world_size)

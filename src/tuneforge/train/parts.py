@@ -35,8 +35,8 @@ class RunParts:
     watchdog: StallWatchdog
     balance: RouterBalance | None = None
     validation: list[MicroBatch] | None = None
-    active_parameters: int = 0
-    """Parameters a token multiplies with, for model FLOPs (counted before the engine sharded them)."""
+    flops_per_token: float = 0.0
+    """Model FLOPs a token needs (`telemetry.model_flops_per_token`, counted before the engine sharded them)."""
     run_id: str = ""
     """The run this work dir belongs to (`run.json`): its step checkpoints record it."""
     layout: Layout = field(default_factory=Layout)

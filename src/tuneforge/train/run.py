@@ -51,7 +51,7 @@ from tuneforge.train.state import (
     load_rng,
     read_state,
 )
-from tuneforge.train.telemetry import active_matmul_parameters
+from tuneforge.train.telemetry import model_flops_per_token
 from tuneforge.train.validate import validation_batches
 from tuneforge.train.workdir import recorded_run, release_lock, start_run, take_lock
 from tuneforge.watchdog import StallWatchdog, exception_site
@@ -228,7 +228,7 @@ def setup(
     if cfg.train.compile:
         check_compiler(info.device, traits)
     watchdog.beat("model", training=False)
-    model, moe, balance, active_parameters = trainable_model(cfg, tokenizer, info, work_dir, traits, say)
+    model, moe, balance, flops_per_token = trainable_model(cfg, tokenizer, info, work_dir, traits, say)
     seed_everything(cfg.train.seed)
     engine = build_engine(
         engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe
@@ -267,7 +267,7 @@ def setup(
         balance=balance,
         validation=validation_split(cfg, data, tokenizer, layout),
         layout=layout,
-        active_parameters=active_parameters,
+        flops_per_token=flops_per_token,
         run_id=run_id,
     )
 
@@ -322,9 +322,9 @@ def preflight(cfg: Config, engine_name: str, info: DistInfo, tokenizer, num_samp
 
 def trainable_model(
     cfg: Config, tokenizer, info: DistInfo, work_dir: Path, traits: EngineTraits, say: Say
-) -> tuple[torch.nn.Module, MoEMap, RouterBalance | None, int]:
+) -> tuple[torch.nn.Module, MoEMap, RouterBalance | None, float]:
     """The loaded model made trainable (adapters or frozen parts), its MoE map (found on the base model before
-    adapters wrap it), the router balance hooks, and the parameters a token multiplies with."""
+    adapters wrap it), the router balance hooks, and the model FLOPs a token needs."""
     model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded)
     architecture, model_config = type(model).__name__, model.config
     moe = find_moe(model)
@@ -345,7 +345,7 @@ def trainable_model(
     balance, balance_note = attach_router_balance(moe, model_config, cfg.train.router_aux_loss_coef)
     if balance_note:
         say(balance_note)
-    return model, moe, balance, active_matmul_parameters(model, moe)  # counted before an engine shards it
+    return model, moe, balance, model_flops_per_token(model, moe)  # counted before an engine shards it
 
 
 def check_disk_room(cfg: Config, work_dir: Path, total: int, trainable: int, say: Say) -> None:
