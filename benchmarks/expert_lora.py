@@ -36,14 +36,10 @@ CONTENDERS = {
 }
 
 
-def build(layers: int, rank: int, lora: dict, device: str, dtype: torch.dtype):
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+def model_config(layers: int):
+    from transformers import DeepseekV2Config
 
-    from tuneforge.config.schema import LoraSettings, ModelConfig
-    from tuneforge.model.adapters import make_trainable
-
-    torch.manual_seed(0)
-    config = DeepseekV2Config(
+    return DeepseekV2Config(
         vocab_size=1024,
         hidden_size=2048,
         intermediate_size=10944,
@@ -62,6 +58,16 @@ def build(layers: int, rank: int, lora: dict, device: str, dtype: torch.dtype):
         v_head_dim=128,
         max_position_embeddings=4096,
     )
+
+
+def build(layers: int, rank: int, lora: dict, device: str, dtype: torch.dtype):
+    from transformers import DeepseekV2ForCausalLM
+
+    from tuneforge.config.schema import LoraSettings, ModelConfig
+    from tuneforge.model.adapters import make_trainable
+
+    torch.manual_seed(0)
+    config = model_config(layers)
     with torch.device(device):
         model = DeepseekV2ForCausalLM(config).to(dtype)
     lora = dict(lora)
@@ -78,6 +84,30 @@ def build(layers: int, rank: int, lora: dict, device: str, dtype: torch.dtype):
             if "lora_" in name:
                 param.copy_(0.02 * torch.randn(param.shape, generator=generator))
     return model, notes[-1]
+
+
+def estimated_delta_seconds(args: argparse.Namespace) -> tuple[float, str]:
+    """The doctor's time for forming W + B·A in PEFT's form, for one forward and backward of this row, and the
+    accelerator it assumed (this GPU where the table knows it, else an H200)."""
+    from transformers import DeepseekV2ForCausalLM
+
+    from tuneforge.config.schema import Config, DataConfig, LoraSettings, ModelConfig, TrainConfig
+    from tuneforge.engines import engine_traits
+    from tuneforge.estimate import estimate
+    from tuneforge.estimate.hardware import ACCELERATORS, local_accelerator
+
+    with torch.device("meta"):
+        skeleton = DeepseekV2ForCausalLM(model_config(args.layers))
+    lora = LoraSettings(r=args.rank, alpha=2 * args.rank, dropout=0.0, experts=True, grouped_experts=False)
+    cfg = Config(
+        model=ModelConfig(architecture="deepseek_v2", tokenizer="bytes", dtype="bfloat16", lora=lora),
+        data=DataConfig(train_files=["unused.jsonl"], max_length=args.tokens),
+        train=TrainConfig(precision="bf16", micro_batch_size=1),
+    )
+    accelerator = local_accelerator() or ACCELERATORS["h200"]
+    result = estimate(cfg, skeleton, engine_traits("single", cfg.parallel, cfg.train), 1, accelerator)
+    times = {what: seconds for what, seconds, _ in result.times}
+    return times.get("expert adapter deltas", 0.0), accelerator.name
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -156,8 +186,12 @@ def main() -> None:
             f"{r['peak'] / 2**30:.2f} GiB | {r['step_s'] / baseline['step_s']:.2f} | "
             f"{r['peak'] / baseline['peak']:.2f} |"
         )
+    predicted, accelerator = estimated_delta_seconds(args)
+    measured = baseline["step_s"] - results["experts, grouped"]["step_s"]
+    compared = f"; measured (PEFT form - grouped) {measured * 1e3:,.0f} ms" if device == "cuda" else " (no GPU here)"
+    print(f"\ndoctor's estimate of forming W + B·A on {accelerator}: {predicted * 1e3:,.0f} ms{compared}")
     difference = (logits["experts, grouped"] - logits["experts, PEFT form"]).abs().max().item()
-    print(f"\nlargest |logit difference| grouped vs PEFT form: {difference:.2e}")
+    print(f"largest |logit difference| grouped vs PEFT form: {difference:.2e}")
     if "4-bit experts, grouped" not in logits:
         return
     error = (logits["4-bit experts, grouped"] - logits["experts, grouped"]).abs().max().item()

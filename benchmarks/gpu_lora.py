@@ -1,21 +1,33 @@
-"""LoRA throughput on one GPU: tuneforge's step against a plain `transformers` + PEFT loop, same model and data.
+"""LoRA throughput on one GPU: tuneforge's step against a plain `transformers` + PEFT loop, same model and data,
+and a whole `tuneforge train` run beside tuneforge's step alone.
 
     python benchmarks/gpu_lora.py [--models deepseek_v2_lite,llama3_8b] [--steps 6] [--layers N]
-    python benchmarks/gpu_lora.py --device cpu --smoke       # the same code on tiny shapes, for a CPU check
+    python benchmarks/gpu_lora.py --models deepseek_v2_lite --layers 4 --train-run   # the CLI against the step
+    python benchmarks/gpu_lora.py --device cpu --smoke [--train-run]  # the same code on tiny shapes, on a CPU
 
-Models are built with random weights from the real configurations in `configs/models/` (DeepSeek-V2-Lite
-with fewer layers when --layers is given; the per-layer figures are what matter). Both contenders train
-LoRA r=64 on the same targets (tuneforge's default: every linear layer except routers and routed experts)
-in bf16 on the same synthetic samples (log-normal lengths, median 300 tokens, up to 2,048), 16 samples per
-step:
+Models are built with random weights from the real configurations in `configs/models/` (all their layers
+unless --layers is given). Both contenders train LoRA r=64 on the same targets (tuneforge's default: every
+linear layer except routers and routed experts) in bf16 on the same synthetic samples (log-normal lengths,
+median 300 tokens, up to 2,048; loss on the last 70% of each), 16 samples per optimizer step:
 
-  transformers  the samples padded to the longest of each batch, loss from the model (`labels=`)
-  tuneforge     the same samples packed into rows of 2,048 with attention kept inside each sample, the
-                output layer fused with the loss (only positions with a target), through SingleEngine
+  transformers  the samples padded to the longest of each micro-batch, loss from the model (`labels=`); all 16
+                in one micro-batch, or, where that runs out of memory, micro-batches of 8, 4, 2 or 1 whose
+                gradients accumulate (the table says which)
+  tuneforge     the same samples packed into rows of 2,048 with attention kept inside each sample, the output
+                layer fused with the loss (only positions with a target), through SingleEngine
 
-Reported per contender: trained tokens/s (tokens carrying a label), all real tokens/s, MFU (6 x active
-matmul parameters x real tokens / peak bf16 FLOP/s; the attention term left out, which favours no one),
-peak GPU memory, and the ratios. The first two steps are warm-up and not timed.
+Per contender: trained tokens/s (tokens carrying a label), all real tokens/s, MFU and peak GPU memory, then
+the ratios and the doctor's estimate for the step. MFU counts the FLOPs a LoRA step needs: 2 per active
+parameter forward and 2 for its input gradient, 2 more for the adapters' own gradients (frozen weights get
+none), routed experts by their top-k share, attention scores left out (`telemetry.model_flops_per_token`);
+"6N MFU" is the usual 6 x active parameters, for figures quoted that way. Peaks come from
+`tuneforge.estimate.hardware`. The first two steps are warm-up and not timed.
+
+--train-run measures what a user gets instead: `tuneforge train` on the same architecture (a fresh model
+of --layers layers, a local word-level tokenizer of the model's vocabulary, synthetic chats in the OpenAI
+`messages` format, packing into 2,048, 3 rows per step), with its data pipeline, watchdog and logging, beside
+tuneforge's step alone on that model. Its steady tokens/s comes from `metrics.jsonl` (steps after the first
+two); the rest of its wall time is start-up, data, model building and saving.
 """
 
 from __future__ import annotations
@@ -23,58 +35,78 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tuneforge.config.schema import LoraSettings
+from tuneforge.config.schema import Config, DataConfig, LoraSettings, ModelConfig, TrainConfig
 from tuneforge.data.batching import MicroBatch, best_fit_decreasing, collate
 from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.data.tokenize import TokenizedData
+from tuneforge.engines import engine_traits
 from tuneforge.engines.single import SingleEngine
+from tuneforge.estimate import estimate
+from tuneforge.estimate.hardware import ACCELERATORS, Accelerator, local_accelerator
 from tuneforge.model.adapters import apply_lora
 from tuneforge.model.moe import find_moe
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.optim import build_optimizer
-from tuneforge.train.telemetry import active_matmul_parameters
+from tuneforge.train.telemetry import active_matmul_parameters, model_flops_per_token
 
 MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
 CONFIGS = {"deepseek_v2_lite": "deepseek-v2-lite-chat.config.json", "llama3_8b": "llama-3-8b.config.json"}
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-"""Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts)."""
+WARMUP, PER_STEP, MAX_LENGTH = 2, 16, 2048
+LORA = LoraSettings(r=64, alpha=16, dropout=0.0)
+TRAIN_ROWS = 3
+"""Rows of 2,048 per step in the train run: about the 16 samples per step of the step-only runs."""
 
 
-def model_config(name: str, layers: int | None, smoke: bool):
+def model_fields(name: str, layers: int | None, smoke: bool) -> tuple[str, dict]:
+    """The model type and the config fields transformers' config class for it knows."""
     from transformers import AutoConfig
 
     fields = json.loads((MODELS / CONFIGS[name]).read_text())
-    fields.pop("auto_map", None)  # the native transformers class, never remote code
-    fields.pop("architectures", None)
     model_type = fields.pop("model_type")
+    known = AutoConfig.for_model(model_type)
+    fields = {key: value for key, value in fields.items() if hasattr(known, key) and key != "architectures"}
     if smoke:
         fields.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4)
-        fields.update(vocab_size=512, num_hidden_layers=2)
+        fields.update(vocab_size=512, num_hidden_layers=2, bos_token_id=1, eos_token_id=2)
         if model_type == "deepseek_v2":
             fields.update(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32)
             fields.update(qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=None)
-    elif layers:
+    if layers:
         fields["num_hidden_layers"] = layers
+    return model_type, fields
+
+
+def model_config(model_type: str, fields: dict):
+    from transformers import AutoConfig
+
     return AutoConfig.for_model(model_type, **fields)
 
 
-def synthetic_samples(count: int, vocab: int, max_length: int, seed: int = 0) -> TokenizedData:
-    """Token ids with a prompt (no loss, 30%) and a reply (loss, 70%) per sample."""
+def synthetic_samples(count: int, vocab: int, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(300), 0.6, count), 32, max_length).astype(int)
-    samples = []
-    for index, length in enumerate(lengths):
-        ids = rng.integers(10, vocab, length)
+    lengths = np.clip(rng.lognormal(np.log(300), 0.6, count), 32, MAX_LENGTH).astype(int)
+    return [rng.integers(10, vocab, length) for length in lengths]
+
+
+def tokenized(samples: list[np.ndarray]) -> TokenizedData:
+    """Each sample with a prompt (no loss, the first 30%) and a reply (loss, 70%)."""
+    rows = []
+    for index, ids in enumerate(samples):
         labels = ids.copy()
-        labels[: int(length * 0.3)] = IGNORE_INDEX
-        samples.append((ids, labels, f"synthetic:{index}"))
-    return TokenizedData.from_samples(samples)
+        labels[: int(len(ids) * 0.3)] = IGNORE_INDEX
+        rows.append((ids, labels, f"synthetic:{index}"))
+    return TokenizedData.from_samples(rows)
 
 
 def build(config, device: torch.device):
@@ -84,33 +116,29 @@ def build(config, device: torch.device):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     moe = find_moe(model)  # on the base model, before adapters wrap it
-    model, _ = apply_lora(model, LoraSettings(r=64, alpha=16, dropout=0.0), moe)
+    model, _ = apply_lora(model, LORA, moe)
     return model, moe
 
 
 def use_tuneforge_attention(model, device: torch.device) -> None:
-    """What tuneforge's model builder does for `sdpa` on a GPU: per-sample SDPA for packed rows."""
+    """What tuneforge's model builder does for `sdpa` on a GPU: packed rows through the varlen kernel."""
     from tuneforge.model import packed_attention
 
     if device.type == "cuda":
         model.set_attn_implementation(packed_attention.register())
 
 
-def tuneforge_batches(data: TokenizedData, per_step: int, max_length: int, pad: int) -> list[MicroBatch]:
-    """Each step's samples packed into rows of max_length: one micro-batch per step."""
+def step_groups(count: int) -> list[list[int]]:
+    return [list(range(start, start + PER_STEP)) for start in range(0, count - PER_STEP + 1, PER_STEP)]
+
+
+def packed_batches(data: TokenizedData, pad: int) -> list[MicroBatch]:
+    """Each step's samples packed into rows of 2,048: one micro-batch per step."""
     batches = []
-    for start in range(0, len(data) - per_step + 1, per_step):
-        group = np.arange(start, start + per_step)
-        rows = best_fit_decreasing(data.lengths[group], max_length)
-        batches.append(collate(data, [[int(group[i]) for i in row] for row in rows], pad, packed=True))
+    for group in step_groups(len(data)):
+        rows = best_fit_decreasing(data.lengths[group], MAX_LENGTH)
+        batches.append(collate(data, [[group[i] for i in row] for row in rows], pad, packed=True))
     return batches
-
-
-def padded_batches(data: TokenizedData, per_step: int, pad: int) -> list[MicroBatch]:
-    return [
-        collate(data, [[i] for i in range(start, start + per_step)], pad, packed=False)
-        for start in range(0, len(data) - per_step + 1, per_step)
-    ]
 
 
 def synchronize(device: torch.device) -> None:
@@ -118,57 +146,313 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_tuneforge(model, batches: list[MicroBatch], device: torch.device, warmup: int) -> list[tuple[float, int, int]]:
+@dataclass
+class Measured:
+    seconds: float
+    tokens: int
+    trained: int
+    peak_gib: float
+    shape: str
+    """How a step's samples were laid out."""
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+def run_tuneforge(model, batches: list[MicroBatch], device: torch.device) -> Measured:
     engine = SingleEngine(model, lambda m: build_optimizer(m, train_settings()), None)
-    steps = []
+    seconds, tokens, trained = 0.0, 0, 0
     for index, batch in enumerate(batches):
         synchronize(device)
         start = time.perf_counter()
         accumulated = accumulate_gradients(engine, [batch], "bf16")
         engine.step(1e-4, 1.0)
         synchronize(device)
-        if index >= warmup:
-            steps.append((time.perf_counter() - start, accumulated.num_tokens, accumulated.num_targets))
-    return steps
+        if index >= WARMUP:
+            seconds += time.perf_counter() - start
+            tokens, trained = tokens + accumulated.num_tokens, trained + accumulated.num_targets
+    rows = np.mean([b.input_ids.shape[0] for b in batches])
+    return Measured(seconds, tokens, trained, peak_gib(device), f"packed, {rows:.1f} rows of {MAX_LENGTH}")
 
 
-def run_transformers(model, batches: list[MicroBatch], device: torch.device, warmup: int):
+def run_transformers(model, data: TokenizedData, pad: int, device: torch.device, micro: int) -> Measured:
+    """Each step's 16 samples in micro-batches of `micro`, each padded to its longest; the loss of each is
+    weighted by its share of the step's targets, so the gradient is the step's token mean."""
     optimizer = build_optimizer(model, train_settings())
-    steps = []
-    for index, batch in enumerate(batches):
+    seconds, tokens, trained = 0.0, 0, 0
+    for index, group in enumerate(step_groups(len(data))):
+        chunks = [group[s : s + micro] for s in range(0, PER_STEP, micro)]
+        batches = [collate(data, [[i] for i in chunk], pad, packed=False) for chunk in chunks]
+        step_targets = sum(b.num_targets for b in batches)
         synchronize(device)
         start = time.perf_counter()
-        # The labels transformers expects are the unshifted ids; MicroBatch.targets are already shifted.
-        labels = torch.full_like(batch.targets, IGNORE_INDEX)
-        labels[:, 1:] = batch.targets[:, :-1]
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(
-                input_ids=batch.input_ids.to(device),
-                attention_mask=batch.attention_mask.to(device),
-                labels=labels.to(device),
-                use_cache=False,
-            ).loss
-        loss.backward()
+        for batch in batches:
+            # The labels transformers expects are the unshifted ids; MicroBatch.targets are already shifted.
+            labels = torch.full_like(batch.targets, IGNORE_INDEX)
+            labels[:, 1:] = batch.targets[:, :-1]
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(
+                    input_ids=batch.input_ids.to(device),
+                    attention_mask=batch.attention_mask.to(device),
+                    labels=labels.to(device),
+                    use_cache=False,
+                ).loss
+            (loss * (batch.num_targets / step_targets)).backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
-        if index >= warmup:
-            steps.append((time.perf_counter() - start, batch.num_tokens, batch.num_targets))
-    return steps
+        if index >= WARMUP:
+            seconds += time.perf_counter() - start
+            tokens += sum(b.num_tokens for b in batches)
+            trained += step_targets
+    steps = PER_STEP // micro
+    shape = "padded, 1 micro-batch of 16" if steps == 1 else f"padded, {steps} micro-batches of {micro}"
+    return Measured(seconds, tokens, trained, peak_gib(device), shape)
 
 
-def train_settings():
-    from tuneforge.config.schema import TrainConfig
+def fit_transformers(model, data: TokenizedData, pad: int, device: torch.device) -> Measured:
+    """The plain loop as a user would fit it: the whole step in one micro-batch, halved until it fits."""
+    micro = PER_STEP
+    while True:
+        reset_peak(device)
+        try:
+            return run_transformers(model, data, pad, device, micro)
+        except torch.OutOfMemoryError:
+            if micro == 1:
+                raise
+        # Outside the handler, so that the failed step's tensors are released with the exception.
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        micro //= 2
+        print(f"  transformers: out of memory, trying micro-batches of {micro}", flush=True)
 
+
+def train_settings() -> TrainConfig:
     return TrainConfig(lr=1e-4, precision="bf16")
 
 
-def peak_flops(device: torch.device) -> float | None:
+def accelerator_here(device: torch.device) -> Accelerator:
+    """This GPU as the estimate's table knows it; on a CPU the H200 (estimates only, for the smoke run)."""
+    return (local_accelerator() if device.type == "cuda" else None) or ACCELERATORS["h200"]
+
+
+def doctor_estimate(cfg: Config, config, accelerator: Accelerator) -> float | None:
+    """The doctor's tokens/s for `cfg` on one GPU (its step time over its tokens per step)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    traits = engine_traits("single", cfg.parallel, cfg.train)
+    result = estimate(cfg, skeleton, traits, 1, accelerator)
+    return result.tokens_per_step / result.step_s if result.step_s else None
+
+
+def step_config(model_type: str, fields: dict, rows: int) -> Config:
+    """A job for the step-only runs, as the doctor reads one: `rows` packed rows of 2,048 per step."""
+    model = ModelConfig(architecture=model_type, size=fields, tokenizer="bytes", dtype="bfloat16", lora=LORA)
+    data = DataConfig(train_files=["synthetic.jsonl"], max_length=MAX_LENGTH, packing=True)
+    return Config(model=model, data=data, train=TrainConfig(precision="bf16", micro_batch_size=rows))
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, accelerator: Accelerator, device: torch.device) -> str:
+    if device.type != "cuda" or not accelerator.bf16_flops:
+        return "n/a"
+    return f"{flops_per_token * tokens_per_s / accelerator.bf16_flops:.1%}"
+
+
+def gib(value: float) -> str:
+    return "n/a" if np.isnan(value) else f"{value:.1f}GiB"
+
+
+def print_row(name: str, m: Measured, flops: float, active: float, accelerator: Accelerator, device) -> None:
+    rate = m.tokens / m.seconds
+    print(
+        f"{name:<14}{m.trained / m.seconds:>15,.0f}{rate:>12,.0f}{mfu(flops, rate, accelerator, device):>8}"
+        f"{mfu(6 * active, rate, accelerator, device):>9}{gib(m.peak_gib):>12}  {m.shape}",
+        flush=True,
+    )
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def compare(name: str, args, device: torch.device, accelerator: Accelerator) -> None:
+    model_type, fields = model_fields(name, args.layers, args.smoke)
+    config = model_config(model_type, fields)
+    data = tokenized(synthetic_samples(PER_STEP * (WARMUP + args.steps), config.vocab_size))
+    pad = config.pad_token_id or 0
+    results: dict[str, Measured] = {}
+    header = f"{'contender':<14}{'trained tok/s':>15}{'all tok/s':>12}{'MFU':>8}{'6N MFU':>9}{'peak mem':>12}  layout"
+    for contender in ("transformers", "tuneforge"):
+        model, moe = build(config, device)
+        flops, active = model_flops_per_token(model, moe), active_matmul_parameters(model, moe)
+        if contender == "transformers":
+            print(
+                f"\n== {name} ({config.num_hidden_layers} layers, {active / 1e9:.2f}B matmul parameters active per "
+                f"token with adapters), LoRA r={LORA.r}; the LoRA step needs {flops / 1e9:.2f} GFLOP per token"
+            )
+            print(header, flush=True)
+        reset_peak(device)
+        if contender == "tuneforge":
+            use_tuneforge_attention(model.get_base_model(), device)
+            results[contender] = run_tuneforge(model, packed_batches(data, pad), device)
+        else:
+            results[contender] = fit_transformers(model, data, pad, device)
+        print_row(contender, results[contender], flops, active, accelerator, device)
+        del model
+        release(device)
+    ours, base = results["tuneforge"], results["transformers"]
+    speed = (ours.trained / ours.seconds) / (base.trained / base.seconds)
+    memory = "" if device.type != "cuda" else f", peak memory {ours.peak_gib / base.peak_gib:.2f}x"
+    print(f"tuneforge / transformers: trained tokens/s {speed:.2f}x{memory}")
+    rows = round(np.mean([b.input_ids.shape[0] for b in packed_batches(data, pad)]))
+    predicted = doctor_estimate(step_config(model_type, fields, rows), config, accelerator)
+    if predicted:
+        print(
+            f"doctor's estimate on {accelerator.name} for {rows} rows of {MAX_LENGTH} per step: {predicted:,.0f} "
+            f"tokens/s{against(ours.tokens / ours.seconds, predicted, device)}"
+        )
+
+
+def against(measured: float, predicted: float, device: torch.device) -> str:
     if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16.items() if key in name), None)
+        return " (not compared: this is no GPU)"
+    return f"; measured {measured:,.0f}, measured / estimate {measured / predicted:.2f}"
+
+
+def local_tokenizer(vocab_size: int, directory: Path) -> None:
+    """A word-level tokenizer with the model's vocabulary size: `w<id>` is token id, so synthetic text has
+    exactly the lengths it is written with."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(special)}
+    vocab.update({f"w{i}": i for i in range(len(special), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(directory)
+
+
+def write_chats(samples: list[np.ndarray], path: Path) -> None:
+    with path.open("w") as out:
+        for ids in samples:
+            words = [f"w{i}" for i in ids]
+            prompt = int(len(words) * 0.3)
+            messages = [
+                {"role": "user", "content": " ".join(words[:prompt])},
+                {"role": "assistant", "content": " ".join(words[prompt:])},
+            ]
+            out.write(json.dumps({"messages": messages}) + "\n")
+
+
+def write_job(directory: Path, model_type: str, fields: dict, steps: int, device: torch.device) -> Path:
+    import yaml
+
+    size = {k: v for k, v in fields.items() if k not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    job = {
+        "model": {
+            "architecture": model_type,
+            "size": size,
+            "tokenizer": str(directory / "tokenizer"),
+            "dtype": "bfloat16",
+            "lora": LORA.model_dump(include={"r", "alpha", "dropout"}),
+        },
+        "data": {
+            "train_files": [str(directory / "chats.jsonl")],
+            "max_length": MAX_LENGTH,
+            "packing": True,
+            "cache_dir": str(directory / "cache"),
+        },
+        "train": {
+            "lr": 1e-4,
+            "warmup_steps": 0,
+            # bf16 on a GPU; on a CPU (the smoke run) fp32, which is fast there.
+            "precision": "bf16" if device.type == "cuda" else "fp32",
+            "micro_batch_size": TRAIN_ROWS,
+            "max_steps": steps,
+        },
+        "checkpoint": {"every_steps": 0},
+        "log": {"progress": "lines", "plot": False},
+    }
+    path = directory / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def steady_rate(records: list[dict]) -> tuple[float, float, int]:
+    """Tokens/s over the steps after warm-up, seconds in all steps, and how many steps were timed."""
+    timed = records[WARMUP:] or records
+    tokens = sum(r["tokens"] for r in timed)
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    return tokens / seconds, sum(r["tokens"] / r["tokens_per_s"] for r in records), len(timed)
+
+
+def train_run(name: str, args, device: torch.device, accelerator: Accelerator) -> None:
+    model_type, fields = model_fields(name, args.layers, args.smoke)
+    config = model_config(model_type, fields)
+    steps = WARMUP + args.steps
+    samples = synthetic_samples(PER_STEP * (steps + 2) * 2, config.vocab_size, seed=1)
+    print(f"\n== {name} ({config.num_hidden_layers} layers), LoRA r={LORA.r}: `tuneforge train` against its step alone")
+
+    model, _ = build(config, device)
+    use_tuneforge_attention(model.get_base_model(), device)
+    reset_peak(device)
+    data = tokenized(samples[: PER_STEP * steps])
+    alone = run_tuneforge(model, packed_batches(data, config.pad_token_id or 0), device)
+    del model
+    release(device)
+    print(f"step alone:       {alone.tokens / alone.seconds:>10,.0f} tokens/s ({alone.shape})", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="tuneforge-train-run-") as scratch:
+        directory = Path(scratch)
+        local_tokenizer(config.vocab_size, directory / "tokenizer")
+        write_chats(samples, directory / "chats.jsonl")
+        job = write_job(directory, model_type, fields, steps, device)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+        command = [sys.executable, "-m", "tuneforge", "train", str(job), "--work-dir", str(directory / "run")]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.train_timeout)
+        wall = time.perf_counter() - start
+        metrics = directory / "run" / "metrics.jsonl"
+        if done.returncode != 0 or not metrics.exists():
+            print(f"tuneforge train failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+            return
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        records = [r for r in records if "tokens_per_s" in r]
+        rate, in_steps, timed = steady_rate(records)
+        peak = records[-1].get("peak_memory_gb", float("nan"))
+        print(
+            f"tuneforge train:  {rate:>10,.0f} tokens/s over steps {WARMUP + 1}-{WARMUP + timed} "
+            f"({TRAIN_ROWS} rows of {MAX_LENGTH} per step), peak {peak:.1f} GB"
+        )
+        print(f"train / step alone: {rate / (alone.tokens / alone.seconds):.2f}x tokens/s")
+        print(
+            f"wall time {wall:.1f} s: {in_steps:.1f} s in {len(records)} steps, {wall - in_steps:.1f} s in start-up, "
+            "data, model building and saving"
+        )
+        from tuneforge.config.load import load_config
+
+        predicted = doctor_estimate(load_config(job), config, accelerator)
+        if predicted:
+            print(
+                f"doctor's estimate on {accelerator.name} for this job: {predicted:,.0f} tokens/s"
+                + against(rate, predicted, device)
+            )
 
 
 def main() -> None:
@@ -176,56 +460,24 @@ def main() -> None:
     parser.add_argument("--models", default="deepseek_v2_lite,llama3_8b")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per contender (after 2 warm-up)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the real number)")
+    parser.add_argument("--train-run", action="store_true", help="`tuneforge train` against the step alone")
+    parser.add_argument("--train-timeout", type=float, default=600.0, help="seconds the train run may take")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     args = parser.parse_args()
     device = torch.device(args.device)
-    warmup, per_step, max_length = 2, 16, 2048
-    peak = peak_flops(device)
+    accelerator = accelerator_here(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {where}; bf16 peak {peak / 1e12:.0f} TFLOP/s" if peak else f"device: {where}")
+    if device.type == "cuda":
+        known = f"bf16 peak {accelerator.bf16_flops / 1e12:.0f} TFLOP/s" if accelerator.bf16_flops else "peak unknown"
+        print(f"device: {where}; {known}", flush=True)
+    else:
+        print(f"device: {where} (figures here check the code, not the speed)", flush=True)
     for name in args.models.split(","):
-        config = model_config(name, args.layers, args.smoke)
-        data = synthetic_samples(per_step * (warmup + args.steps), config.vocab_size, max_length)
-        results = {}
-        for contender in ("transformers", "tuneforge"):
-            model, moe = build(config, device)
-            active = active_matmul_parameters(model, moe)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            if contender == "tuneforge":
-                use_tuneforge_attention(model.get_base_model(), device)
-                batches = tuneforge_batches(data, per_step, max_length, config.pad_token_id or 0)
-                steps = run_tuneforge(model, batches, device, warmup)
-            else:
-                steps = run_transformers(
-                    model, padded_batches(data, per_step, config.pad_token_id or 0), device, warmup
-                )
-            seconds = sum(s for s, _, _ in steps)
-            tokens, trained = sum(t for _, t, _ in steps), sum(t for _, _, t in steps)
-            memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-            results[contender] = {
-                "trained_tokens_per_s": trained / seconds,
-                "tokens_per_s": tokens / seconds,
-                "mfu": 6 * active * tokens / seconds / peak if peak else float("nan"),
-                "peak_memory_gib": memory,
-            }
-            del model
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        layers = config.num_hidden_layers
-        print(f"\n== {name} ({layers} layers, {active / 1e9:.2f}B matmul parameters active per token), LoRA r=64")
-        print(f"{'contender':<14}{'trained tok/s':>15}{'all tok/s':>12}{'MFU':>8}{'peak mem':>11}")
-        for contender, r in results.items():
-            print(
-                f"{contender:<14}{r['trained_tokens_per_s']:>15,.0f}{r['tokens_per_s']:>12,.0f}"
-                f"{r['mfu']:>8.1%}{r['peak_memory_gib']:>9.1f}GiB"
-            )
-        ours, base = results["tuneforge"], results["transformers"]
-        speed = ours["trained_tokens_per_s"] / base["trained_tokens_per_s"]
-        memory = ours["peak_memory_gib"] / base["peak_memory_gib"]
-        print(f"tuneforge / transformers: trained tokens/s {speed:.2f}x, peak memory {memory:.2f}x")
+        if args.train_run:
+            train_run(name, args, device, accelerator)
+        else:
+            compare(name, args, device, accelerator)
 
 
 if __name__ == "__main__":
