@@ -153,3 +153,16 @@ def test_a_second_backward_through_the_same_loss_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward pass"):
         loss.backward()
+
+
+def test_gpu_chunks_are_sized_by_memory_and_cpu_chunks_by_cache():
+    """A GPU chunk fills its memory budget (tall matmuls, few launches); a CPU chunk stays cache-sized."""
+    from tuneforge.train.fused_loss import GPU_CHUNK_BYTES, LOGIT_BYTES, chunk_rows
+
+    for vocab in (32_000, 102_400, 128_256):
+        rows = chunk_rows(100_000, vocab, on_gpu=True)
+        assert rows * vocab * LOGIT_BYTES <= GPU_CHUNK_BYTES < (rows + 1) * vocab * LOGIT_BYTES
+        assert chunk_rows(100_000, vocab, on_gpu=False) == max(256, (1 << 23) // vocab)
+    assert chunk_rows(100_000, 102_400, on_gpu=True) == 1048
+    assert chunk_rows(300, 102_400, on_gpu=True) == 300  # never taller than the rows there are
+    assert chunk_rows(0, 102_400, on_gpu=True) == 1

@@ -10,11 +10,11 @@ from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import GIB
 from tuneforge.estimate.shapes import ModelShapes, count_label
 from tuneforge.model.staging import LOAD_CONTEXT_BYTES, choose_staging, device_load_bytes, host_staged_gpu_bytes
-from tuneforge.train.fused_loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
+from tuneforge.train.fused_loss import LOGIT_BYTES as FUSED_LOGIT_BYTES
+from tuneforge.train.fused_loss import chunk_rows
 
 GATHERED_LAYERS = 2  # sharded engines hold the decoder layer computing and the one prefetched, unsharded
 LOGITS_BYTES = 12  # per logit: bf16 logits, their fp32 copy for the loss, and its fp32 gradient
-FUSED_LOGIT_BYTES = 10  # per logit of one fused-loss chunk: fp32 logits, fp32 softmax, its 16-bit cast
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation (not measured here)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 AUTOCAST_NAMES = {"bf16": "bfloat16", "fp16": "float16"}  # train.precision -> the dtype autocast computes in
@@ -132,7 +132,7 @@ def memory_use(
     if not traits.fuses_output_layer or head_wrapped:  # the model's own logits for the whole batch
         rows.append(Row(f"logits and loss: {tokens_micro} x {s.vocab}", tokens_micro * s.vocab * LOGITS_BYTES))
     else:  # the fused loss holds one chunk of logits and the hidden states' gradient
-        chunk = min(tokens_micro, max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // s.vocab))
+        chunk = chunk_rows(tokens_micro, s.vocab, on_gpu=True)
         fused = chunk * s.vocab * FUSED_LOGIT_BYTES + tokens_micro * s.hidden * compute_bytes
         rows.append(Row(f"fused loss: {chunk} x {s.vocab} logits at a time", fused))
     rows.append(Row("CUDA context, NCCL, fragmentation", CUDA_OVERHEAD_GIB * GIB))
