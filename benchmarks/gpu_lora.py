@@ -64,6 +64,8 @@ MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
 CONFIGS = {"deepseek_v2_lite": "deepseek-v2-lite-chat.config.json", "llama3_8b": "llama-3-8b.config.json"}
 WARMUP, PER_STEP, MAX_LENGTH = 2, 16, 2048
 LORA = LoraSettings(r=64, alpha=16, dropout=0.0)
+PROFILED_STEPS = 2
+"""Steps run again under torch.profiler after the timed ones, for the GPU's busy share."""
 TRAIN_ROWS = 3
 """Rows of 2,048 per step in the train run: about the 16 samples per step of the step-only runs."""
 
@@ -154,6 +156,8 @@ class Measured:
     peak_gib: float
     shape: str
     """How a step's samples were laid out."""
+    busy: float | None = None
+    """Share of a step's wall time the GPU was busy (tuneforge's step, from a profile)."""
 
 
 def reset_peak(device: torch.device) -> None:
@@ -178,7 +182,41 @@ def run_tuneforge(model, batches: list[MicroBatch], device: torch.device) -> Mea
             seconds += time.perf_counter() - start
             tokens, trained = tokens + accumulated.num_tokens, trained + accumulated.num_targets
     rows = np.mean([b.input_ids.shape[0] for b in batches])
-    return Measured(seconds, tokens, trained, peak_gib(device), f"packed, {rows:.1f} rows of {MAX_LENGTH}")
+    measured = Measured(seconds, tokens, trained, peak_gib(device), f"packed, {rows:.1f} rows of {MAX_LENGTH}")
+    measured.busy = busy_share(engine, batches[-PROFILED_STEPS:], device)
+    return measured
+
+
+def busy_share(engine: SingleEngine, batches: list[MicroBatch], device: torch.device) -> float | None:
+    """Share of the wall time of a few more steps, under torch.profiler, in which the GPU ran kernels (or
+    copies): the sum of their durations over the steps' wall time. None on a CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        synchronize(device)
+        start = time.perf_counter()
+        for batch in batches:
+            accumulate_gradients(engine, [batch], "bf16")
+            engine.step(1e-4, 1.0)
+        synchronize(device)
+        wall = time.perf_counter() - start
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+
+    spans = [(e.time_range.start, e.time_range.end) for e in profiler.events() if e.device_type == DeviceType.CUDA]
+    return covered(spans) / 1e6 / wall
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) spans: kernels on several streams may overlap."""
+    total, reach = 0.0, float("-inf")
+    for begin, end in sorted(spans):
+        if end > reach:
+            total += end - max(begin, reach)
+            reach = end
+    return total
 
 
 def run_transformers(model, data: TokenizedData, pad: int, device: torch.device, micro: int) -> Measured:
@@ -316,6 +354,8 @@ def compare(name: str, args, device: torch.device, accelerator: Accelerator) -> 
     speed = (ours.trained / ours.seconds) / (base.trained / base.seconds)
     memory = "" if device.type != "cuda" else f", peak memory {ours.peak_gib / base.peak_gib:.2f}x"
     print(f"tuneforge / transformers: trained tokens/s {speed:.2f}x{memory}")
+    if ours.busy is not None:
+        print(f"GPU busy in tuneforge's step: {ours.busy:.0%} of the wall time of {PROFILED_STEPS} profiled steps")
     rows = round(np.mean([b.input_ids.shape[0] for b in packed_batches(data, pad)]))
     predicted = doctor_estimate(step_config(model_type, fields, rows), config, accelerator)
     if predicted:

@@ -37,3 +37,14 @@ def test_the_gpu_benchmark_runs_tuneforge_train_beside_its_step_on_tiny_shapes()
     assert "step alone:" in out and "over steps 3-3 (3 rows of 2048 per step)" in out
     assert "train / step alone:" in out and "s in 3 steps" in out
     assert "doctor's estimate on H200 141GB for this job" in out
+
+
+def test_the_gpu_busy_time_counts_overlapping_kernels_once():
+    sys.path.insert(0, str(BENCHMARK.parent))
+    try:
+        from gpu_lora import covered
+    finally:
+        sys.path.remove(str(BENCHMARK.parent))
+    assert covered([]) == 0
+    assert covered([(5, 7), (0, 2)]) == 4
+    assert covered([(0, 4), (1, 2), (3, 6), (8, 9)]) == 7  # nested, overlapping, then apart

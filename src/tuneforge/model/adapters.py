@@ -227,7 +227,10 @@ def make_trainable(
         stacked = f"; the stacked experts of {experts} MoE block(s) too" if experts else ""
         notes.append(f"quantization: base weights {kind}, compute {q.compute_dtype}{stacked}")
     elif gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+        else:  # transformers before the rename (5.17 has only the old name)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     if gradient_checkpointing:
         notes.append("gradient checkpointing: on (activations recomputed in backward)")
     if cfg.lora is not None:
