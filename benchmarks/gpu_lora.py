@@ -122,12 +122,12 @@ def build(config, device: torch.device):
     return model, moe
 
 
-def use_tuneforge_attention(model, device: torch.device) -> None:
-    """What tuneforge's model builder does for `sdpa` on a GPU: packed rows through the varlen kernel."""
+def use_tuneforge_attention(model) -> None:
+    """What tuneforge's model builder does for `sdpa`: packed rows attend within each sample (on a GPU through
+    the varlen kernel)."""
     from tuneforge.model import packed_attention
 
-    if device.type == "cuda":
-        model.set_attn_implementation(packed_attention.register())
+    model.set_attn_implementation(packed_attention.register())
 
 
 def step_groups(count: int) -> list[list[int]]:
@@ -343,7 +343,7 @@ def compare(name: str, args, device: torch.device, accelerator: Accelerator) -> 
             print(header, flush=True)
         reset_peak(device)
         if contender == "tuneforge":
-            use_tuneforge_attention(model.get_base_model(), device)
+            use_tuneforge_attention(model.get_base_model())
             results[contender] = run_tuneforge(model, packed_batches(data, pad), device)
         else:
             results[contender] = fit_transformers(model, data, pad, device)
@@ -450,7 +450,7 @@ def train_run(name: str, args, device: torch.device, accelerator: Accelerator) -
     print(f"\n== {name} ({config.num_hidden_layers} layers), LoRA r={LORA.r}: `tuneforge train` against its step alone")
 
     model, _ = build(config, device)
-    use_tuneforge_attention(model.get_base_model(), device)
+    use_tuneforge_attention(model.get_base_model())
     reset_peak(device)
     data = tokenized(samples[: PER_STEP * steps])
     alone = run_tuneforge(model, packed_batches(data, config.pad_token_id or 0), device)
