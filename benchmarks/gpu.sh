@@ -30,14 +30,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 # PARTS picks some of the parts (default all): deepseek llama train experts.
 PARTS=" ${PARTS:-deepseek llama train experts} "
 if [[ "$PARTS" == *" deepseek "* ]]; then
-    timeout 170 "$PYTHON" benchmarks/gpu_lora.py --models deepseek_v2_lite --steps 6 || echo "(cut off or failed)"
+    timeout 170 "$PYTHON" benchmarks/gpu_lora.py --models deepseek_v2_lite --steps 4 || echo "(cut off or failed)"
 fi
 if [[ "$PARTS" == *" llama "* ]]; then
-    timeout 130 "$PYTHON" benchmarks/gpu_lora.py --models llama3_8b --steps 6 || echo "(cut off or failed)"
+    timeout 130 "$PYTHON" benchmarks/gpu_lora.py --models llama3_8b --steps 4 || echo "(cut off or failed)"
 fi
 if [[ "$PARTS" == *" train "* ]]; then
-    timeout 100 "$PYTHON" benchmarks/gpu_lora.py --models deepseek_v2_lite --layers 4 --steps 8 --train-run \
-        --train-timeout 90 || echo "(cut off or failed)"
+    timeout 110 "$PYTHON" benchmarks/gpu_lora.py --models deepseek_v2_lite --layers 4 --steps 8 --train-run \
+        --train-timeout 75 || echo "(cut off or failed)"
 fi
 if [[ "$PARTS" == *" experts "* ]]; then
     timeout 80 "$PYTHON" benchmarks/expert_lora.py --layers 2 --tokens 4096 --steps 3 || echo "(cut off or failed)"

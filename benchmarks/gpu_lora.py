@@ -10,17 +10,21 @@ unless --layers is given). Both contenders train LoRA r=64 on the same targets (
 linear layer except routers and routed experts) in bf16 on the same synthetic samples (log-normal lengths,
 median 300 tokens, up to 2,048; loss on the last 70% of each), 16 samples per optimizer step:
 
-  transformers  the samples padded to the longest of each micro-batch, loss from the model (`labels=`); all 16
-                in one micro-batch, or, where that runs out of memory, micro-batches of 8, 4, 2 or 1 whose
-                gradients accumulate (the table says which)
-  tuneforge     the same samples packed into rows of 2,048 with attention kept inside each sample, the output
-                layer fused with the loss (only positions with a target), through SingleEngine
+  tuneforge     the samples packed into rows of 2,048 with attention kept inside each sample, the output
+                layer fused with the loss (only positions with a target), through SingleEngine (run first, so
+                that a part cut off at its time limit still has it)
+  transformers  the same samples padded to the longest of each micro-batch, loss from the model (`labels=`);
+                all 16 in one micro-batch, or, where that runs out of memory, micro-batches of 8, 4, 2 or 1
+                whose gradients accumulate (the table says which); SDPA limited to the backends tuneforge
+                allows on CUDA (flash, memory-efficient, math), since cuDNN's per-shape plans would slow it
 
 Per contender: trained tokens/s (tokens carrying a label), all real tokens/s, MFU and peak GPU memory, then
-the ratios and the doctor's estimate for the step. MFU counts the FLOPs a LoRA step needs: 2 per active
-parameter forward and 2 for its input gradient, 2 more for the adapters' own gradients (frozen weights get
-none), routed experts by their top-k share, attention scores left out (`telemetry.model_flops_per_token`);
-"6N MFU" is the usual 6 x active parameters, for figures quoted that way. Peaks come from
+the ratios, the GPU's busy share of tuneforge's step (two more steps under torch.profiler), and the doctor's
+estimate for the step, compared as positions computed per second, padding included, as the doctor counts.
+MFU counts the FLOPs a LoRA step needs: 2 per active parameter forward and 2 for its input gradient, 2 more
+for the adapters' own gradients (frozen weights get none), routed experts by their top-k share, attention
+scores left out (`telemetry.model_flops_per_token`); "6N MFU" is the usual 6 x active parameters, for
+figures quoted that way. Peaks come from
 `tuneforge.estimate.hardware`. The first two steps are warm-up and not timed.
 
 --train-run measures what a user gets instead: `tuneforge train` on the same architecture (a fresh model
@@ -153,6 +157,8 @@ class Measured:
     seconds: float
     tokens: int
     trained: int
+    slots: int
+    """Positions computed, padding included: what the doctor's tokens per step count."""
     peak_gib: float
     shape: str
     """How a step's samples were laid out."""
@@ -169,9 +175,9 @@ def peak_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
 
-def run_tuneforge(model, batches: list[MicroBatch], device: torch.device) -> Measured:
+def run_tuneforge(model, batches: list[MicroBatch], device: torch.device, profiled: bool = True) -> Measured:
     engine = SingleEngine(model, lambda m: build_optimizer(m, train_settings()), None)
-    seconds, tokens, trained = 0.0, 0, 0
+    seconds, tokens, trained, slots = 0.0, 0, 0, 0
     for index, batch in enumerate(batches):
         synchronize(device)
         start = time.perf_counter()
@@ -181,19 +187,24 @@ def run_tuneforge(model, batches: list[MicroBatch], device: torch.device) -> Mea
         if index >= WARMUP:
             seconds += time.perf_counter() - start
             tokens, trained = tokens + accumulated.num_tokens, trained + accumulated.num_targets
+            slots += batch.input_ids.numel()
     rows = np.mean([b.input_ids.shape[0] for b in batches])
-    measured = Measured(seconds, tokens, trained, peak_gib(device), f"packed, {rows:.1f} rows of {MAX_LENGTH}")
-    measured.busy = busy_share(engine, batches[-PROFILED_STEPS:], device)
+    layout = f"packed, {rows:.1f} rows of {MAX_LENGTH}"
+    measured = Measured(seconds, tokens, trained, slots, peak_gib(device), layout)
+    if profiled:
+        measured.busy = busy_share(engine, batches[-PROFILED_STEPS:], device)
     return measured
 
 
 def busy_share(engine: SingleEngine, batches: list[MicroBatch], device: torch.device) -> float | None:
     """Share of the wall time of a few more steps, under torch.profiler, in which the GPU ran kernels (or
-    copies): the sum of their durations over the steps' wall time. None on a CPU."""
+    copies): the union of their spans over the steps' wall time. Only GPU activity is recorded, so that the
+    host is not slowed by recording its own ops. None on a CPU."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
+    if device.type != "cuda":
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         synchronize(device)
         start = time.perf_counter()
         for batch in batches:
@@ -201,11 +212,14 @@ def busy_share(engine: SingleEngine, batches: list[MicroBatch], device: torch.de
             engine.step(1e-4, 1.0)
         synchronize(device)
         wall = time.perf_counter() - start
-    if device.type != "cuda":
-        return None
     from torch.autograd import DeviceType
 
-    spans = [(e.time_range.start, e.time_range.end) for e in profiler.events() if e.device_type == DeviceType.CUDA]
+    spans = [
+        (e.time_range.start, e.time_range.end)
+        for e in profiler.events()
+        # Annotations (e.g. the optimizer step's range) span idle gaps too: kernels and copies only.
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
     return covered(spans) / 1e6 / wall
 
 
@@ -223,7 +237,7 @@ def run_transformers(model, data: TokenizedData, pad: int, device: torch.device,
     """Each step's 16 samples in micro-batches of `micro`, each padded to its longest; the loss of each is
     weighted by its share of the step's targets, so the gradient is the step's token mean."""
     optimizer = build_optimizer(model, train_settings())
-    seconds, tokens, trained = 0.0, 0, 0
+    seconds, tokens, trained, slots = 0.0, 0, 0, 0
     for index, group in enumerate(step_groups(len(data))):
         chunks = [group[s : s + micro] for s in range(0, PER_STEP, micro)]
         batches = [collate(data, [[i] for i in chunk], pad, packed=False) for chunk in chunks]
@@ -250,9 +264,10 @@ def run_transformers(model, data: TokenizedData, pad: int, device: torch.device,
             seconds += time.perf_counter() - start
             tokens += sum(b.num_tokens for b in batches)
             trained += step_targets
+            slots += sum(b.input_ids.numel() for b in batches)
     steps = PER_STEP // micro
     shape = "padded, 1 micro-batch of 16" if steps == 1 else f"padded, {steps} micro-batches of {micro}"
-    return Measured(seconds, tokens, trained, peak_gib(device), shape)
+    return Measured(seconds, tokens, trained, slots, peak_gib(device), shape)
 
 
 def fit_transformers(model, data: TokenizedData, pad: int, device: torch.device) -> Measured:
@@ -261,9 +276,10 @@ def fit_transformers(model, data: TokenizedData, pad: int, device: torch.device)
     while True:
         reset_peak(device)
         try:
-            return run_transformers(model, data, pad, device, micro)
-        except torch.OutOfMemoryError:
-            if micro == 1:
+            with backends(device):
+                return run_transformers(model, data, pad, device, micro)
+        except RuntimeError as error:  # torch.OutOfMemoryError, or cuBLAS/cuDNN failing to allocate
+            if micro == 1 or not out_of_memory(error):
                 raise
         # Outside the handler, so that the failed step's tensors are released with the exception.
         model.zero_grad(set_to_none=True)
@@ -271,6 +287,24 @@ def fit_transformers(model, data: TokenizedData, pad: int, device: torch.device)
         torch.cuda.empty_cache()
         micro //= 2
         print(f"  transformers: out of memory, trying micro-batches of {micro}", flush=True)
+
+
+def out_of_memory(error: RuntimeError) -> bool:
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or "ALLOC_FAILED" in text or "out of memory" in text
+
+
+def backends(device: torch.device):
+    """The SDPA backends tuneforge allows on CUDA, for the baseline too: left to choose, SDPA takes cuDNN on
+    Hopper, which builds a plan for every new padded length and would make the baseline look slower than a
+    plain loop needs to be."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import sdpa_kernel
+
+    from tuneforge.model.packed_attention import CUDA_SDPA_BACKENDS
+
+    return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
 def train_settings() -> TrainConfig:
@@ -332,10 +366,11 @@ def compare(name: str, args, device: torch.device, accelerator: Accelerator) -> 
     pad = config.pad_token_id or 0
     results: dict[str, Measured] = {}
     header = f"{'contender':<14}{'trained tok/s':>15}{'all tok/s':>12}{'MFU':>8}{'6N MFU':>9}{'peak mem':>12}  layout"
-    for contender in ("transformers", "tuneforge"):
+    # tuneforge first: a part cut off at its time limit still has the row that matters.
+    for contender in ("tuneforge", "transformers"):
         model, moe = build(config, device)
         flops, active = model_flops_per_token(model, moe), active_matmul_parameters(model, moe)
-        if contender == "transformers":
+        if contender == "tuneforge":
             print(
                 f"\n== {name} ({config.num_hidden_layers} layers, {active / 1e9:.2f}B matmul parameters active per "
                 f"token with adapters), LoRA r={LORA.r}; the LoRA step needs {flops / 1e9:.2f} GFLOP per token"
@@ -348,7 +383,7 @@ def compare(name: str, args, device: torch.device, accelerator: Accelerator) -> 
         else:
             results[contender] = fit_transformers(model, data, pad, device)
         print_row(contender, results[contender], flops, active, accelerator, device)
-        del model
+        del model, moe  # the map holds the MoE blocks: the experts too
         release(device)
     ours, base = results["tuneforge"], results["transformers"]
     speed = (ours.trained / ours.seconds) / (base.trained / base.seconds)
@@ -361,11 +396,12 @@ def compare(name: str, args, device: torch.device, accelerator: Accelerator) -> 
     if predicted:
         print(
             f"doctor's estimate on {accelerator.name} for {rows} rows of {MAX_LENGTH} per step: {predicted:,.0f} "
-            f"tokens/s{against(ours.tokens / ours.seconds, predicted, device)}"
+            f"positions/s{against(ours.slots / ours.seconds, predicted, device)}"
         )
 
 
 def against(measured: float, predicted: float, device: torch.device) -> str:
+    """Both as positions computed per second, padding included: the doctor counts full rows."""
     if device.type != "cuda":
         return " (not compared: this is no GPU)"
     return f"; measured {measured:,.0f}, measured / estimate {measured / predicted:.2f}"
@@ -434,65 +470,84 @@ def write_job(directory: Path, model_type: str, fields: dict, steps: int, device
     return path
 
 
-def steady_rate(records: list[dict]) -> tuple[float, float, int]:
-    """Tokens/s over the steps after warm-up, seconds in all steps, and how many steps were timed."""
+def steady_rate(records: list[dict]) -> tuple[float, float, float, int]:
+    """Over the steps after warm-up: tokens/s and positions/s (padding included); seconds in all steps; how
+    many steps were timed."""
     timed = records[WARMUP:] or records
-    tokens = sum(r["tokens"] for r in timed)
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
-    return tokens / seconds, sum(r["tokens"] / r["tokens_per_s"] for r in records), len(timed)
+    tokens = sum(r["tokens"] for r in timed)
+    slots = sum(r["tokens"] / (1 - r["padding"]) for r in timed)
+    return tokens / seconds, slots / seconds, sum(r["tokens"] / r["tokens_per_s"] for r in records), len(timed)
+
+
+def run_train_command(directory: Path, job: Path, timeout: float) -> tuple[list[dict] | None, float]:
+    """`tuneforge train JOB` in its own process: the records of its metrics.jsonl (None if it failed, with
+    its output printed) and its wall time."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    command = [sys.executable, "-m", "tuneforge", "train", str(job), "--work-dir", str(directory / "run")]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        output = (expired.stdout or b"") + (expired.stderr or b"")
+        text = output.decode(errors="replace") if isinstance(output, bytes) else output
+        print(f"tuneforge train: still running after {timeout:.0f} s, stopped; its output:\n{text[-3000:]}")
+        return None, time.perf_counter() - start
+    wall = time.perf_counter() - start
+    metrics = directory / "run" / "metrics.jsonl"
+    if done.returncode != 0 or not metrics.exists():
+        print(f"tuneforge train failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+        return None, wall
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in records if "tokens_per_s" in r], wall
 
 
 def train_run(name: str, args, device: torch.device, accelerator: Accelerator) -> None:
+    """The train run first (a part cut off at its time limit still has it), then the step alone."""
+    from tuneforge.config.load import load_config
+
     model_type, fields = model_fields(name, args.layers, args.smoke)
     config = model_config(model_type, fields)
     steps = WARMUP + args.steps
     samples = synthetic_samples(PER_STEP * (steps + 2) * 2, config.vocab_size, seed=1)
     print(f"\n== {name} ({config.num_hidden_layers} layers), LoRA r={LORA.r}: `tuneforge train` against its step alone")
-
-    model, _ = build(config, device)
-    use_tuneforge_attention(model.get_base_model())
-    reset_peak(device)
-    data = tokenized(samples[: PER_STEP * steps])
-    alone = run_tuneforge(model, packed_batches(data, config.pad_token_id or 0), device)
-    del model
-    release(device)
-    print(f"step alone:       {alone.tokens / alone.seconds:>10,.0f} tokens/s ({alone.shape})", flush=True)
-
     with tempfile.TemporaryDirectory(prefix="tuneforge-train-run-") as scratch:
         directory = Path(scratch)
         local_tokenizer(config.vocab_size, directory / "tokenizer")
         write_chats(samples, directory / "chats.jsonl")
         job = write_job(directory, model_type, fields, steps, device)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
-        command = [sys.executable, "-m", "tuneforge", "train", str(job), "--work-dir", str(directory / "run")]
-        start = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.train_timeout)
-        wall = time.perf_counter() - start
-        metrics = directory / "run" / "metrics.jsonl"
-        if done.returncode != 0 or not metrics.exists():
-            print(f"tuneforge train failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
-            return
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
-        records = [r for r in records if "tokens_per_s" in r]
-        rate, in_steps, timed = steady_rate(records)
-        peak = records[-1].get("peak_memory_gb", float("nan"))
-        print(
-            f"tuneforge train:  {rate:>10,.0f} tokens/s over steps {WARMUP + 1}-{WARMUP + timed} "
-            f"({TRAIN_ROWS} rows of {MAX_LENGTH} per step), peak {peak:.1f} GB"
-        )
-        print(f"train / step alone: {rate / (alone.tokens / alone.seconds):.2f}x tokens/s")
-        print(
-            f"wall time {wall:.1f} s: {in_steps:.1f} s in {len(records)} steps, {wall - in_steps:.1f} s in start-up, "
-            "data, model building and saving"
-        )
-        from tuneforge.config.load import load_config
-
+        records, wall = run_train_command(directory, job, args.train_timeout)
         predicted = doctor_estimate(load_config(job), config, accelerator)
-        if predicted:
-            print(
-                f"doctor's estimate on {accelerator.name} for this job: {predicted:,.0f} tokens/s"
-                + against(rate, predicted, device)
-            )
+    if records is None:
+        return
+    rate, slot_rate, in_steps, timed = steady_rate(records)
+    peak = records[-1].get("peak_memory_gb", float("nan"))
+    print(
+        f"tuneforge train:  {rate:>10,.0f} tokens/s over steps {WARMUP + 1}-{WARMUP + timed} "
+        f"({TRAIN_ROWS} rows of {MAX_LENGTH} per step), peak {peak:.1f} GB",
+        flush=True,
+    )
+    print(
+        f"wall time {wall:.1f} s: {in_steps:.1f} s in {len(records)} steps, {wall - in_steps:.1f} s in start-up, "
+        "data, model building and saving",
+        flush=True,
+    )
+    if predicted:
+        print(
+            f"doctor's estimate on {accelerator.name} for this job: {predicted:,.0f} positions/s"
+            + against(slot_rate, predicted, device),
+            flush=True,
+        )
+
+    model, moe = build(config, device)
+    use_tuneforge_attention(model.get_base_model())
+    reset_peak(device)
+    data = tokenized(samples[: PER_STEP * steps])
+    alone = run_tuneforge(model, packed_batches(data, config.pad_token_id or 0), device, profiled=False)
+    del model, moe
+    release(device)
+    print(f"step alone:       {alone.tokens / alone.seconds:>10,.0f} tokens/s ({alone.shape})")
+    print(f"train / step alone: {rate / (alone.tokens / alone.seconds):.2f}x tokens/s")
 
 
 def main() -> None:

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks for a short lent GPU machine (no network, minutes of device time, at most 10 minutes a
-# command), in two parts that each end well inside that; logs go to $OUT (default /tmp/tuneforge-gpu):
+# command), in parts that each end well inside that; logs go to $OUT (default /tmp/tuneforge-gpu):
 #
-#   benchmarks/gpu_session.sh 1   versions, `make gpu-test`'s tests, the DeepSeek-V2-Lite step tables (~6 min)
-#   benchmarks/gpu_session.sh 2   the Llama-3-8B step tables, the train run, the expert adapters, expert
-#                                 staging (~7 min)
+#   benchmarks/gpu_session.sh 1   versions, `make gpu-test`'s tests, the DeepSeek-V2-Lite step tables (<= 5.5 min)
+#   benchmarks/gpu_session.sh 2   the Llama-3-8B step tables, the train run, the expert adapters (<= 5.5 min)
+#   benchmarks/gpu_session.sh 3   loading a 4-bit MoE onto the GPU against staging it in host RAM (<= 2 min)
 #
-# It uses the machine's own python3 and torch. What that lacks (pydantic, bitsandbytes, the transformers and
-# peft versions CI uses) travels as wheels in .whl/, which `benchmarks/gpu_wheels.sh` fills on a machine with
-# network; they are installed into /tmp/site, ahead of the machine's own packages.
+# It uses the machine's own python3 and torch. What that lacks (pydantic, bitsandbytes, the peft version CI
+# uses) travels as wheels in .whl/, which `benchmarks/gpu_wheels.sh` fills on a machine with network; .whl/
+# is git-ignored, so the device tool's call must name it in `carry` (carry: [".whl"]). They are installed
+# into /tmp/site, ahead of the machine's own packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART="${1:?usage: benchmarks/gpu_session.sh 1|2}"
+PART="${1:?usage: benchmarks/gpu_session.sh 1|2|3}"
 OUT="${OUT:-/tmp/tuneforge-gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src"
@@ -20,6 +21,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
+python3 -c "import pydantic, peft, transformers" || {
+    echo "missing packages: fill .whl/ with benchmarks/gpu_wheels.sh and name .whl in the call's carry" >&2
+    exit 1
+}
 {
     git log -1 --format='commit %h %cd' 2>/dev/null || true
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -41,10 +46,12 @@ case "$PART" in
         ;;
     2)
         PYTHON=python3 PARTS="llama train experts" benchmarks/gpu.sh 2>&1 | tee "$OUT/bench-2.log"
-        timeout 90 python3 benchmarks/expert_staging.py --layers 3 2>&1 | tee "$OUT/staging.log"
+        ;;
+    3)
+        timeout 110 python3 benchmarks/expert_staging.py --layers 3 2>&1 | tee "$OUT/staging.log"
         ;;
     *)
-        echo "part $PART: 1 or 2" >&2
+        echo "part $PART: 1, 2 or 3" >&2
         exit 2
         ;;
 esac

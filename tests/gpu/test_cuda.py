@@ -78,6 +78,28 @@ def test_the_fused_loss_equals_the_logits_path_on_cuda(tokenizer):
     assert float(fused) == pytest.approx(float(plain), rel=1e-2)
 
 
+def test_the_fused_loss_in_several_gpu_chunks_equals_the_full_logits_forward_and_backward(monkeypatch):
+    """GPU chunks are sized by memory: forced to 128 rows here, they give the loss and both gradients of
+    cross-entropy over the whole fp32 logits."""
+    from tuneforge.train import fused_loss
+
+    torch.manual_seed(0)
+    hidden = torch.randn(600, 256, device=CUDA).to(torch.bfloat16).requires_grad_()
+    weight = (0.05 * torch.randn(5000, 256, device=CUDA)).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 5000, (600,), device=CUDA)
+    monkeypatch.setattr(fused_loss, "GPU_CHUNK_BYTES", 128 * 5000 * fused_loss.LOGIT_BYTES)
+    assert fused_loss.chunk_rows(600, 5000, on_gpu=True) == 128
+    fused = fused_loss.linear_cross_entropy_sum(hidden, weight, targets, torch.bfloat16)
+    fused.backward()
+    fused_grads = hidden.grad.float(), weight.grad.float()
+    hidden.grad = weight.grad = None
+    reference = F.cross_entropy((hidden @ weight.T).float(), targets, reduction="sum")
+    reference.backward()
+    assert float(fused) == pytest.approx(float(reference), rel=1e-3)
+    for mine, theirs in zip(fused_grads, (hidden.grad.float(), weight.grad.float()), strict=True):
+        assert torch.allclose(mine, theirs, rtol=2e-2, atol=2e-2 * theirs.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-varlen", "fp32-gathered-sdpa"])
 def test_a_packed_micro_step_makes_no_host_synchronisation(tokenizer, dtype):
     """bf16 runs the varlen kernel; fp32, which it does not take, the gathered SDPA planned from the host copy."""

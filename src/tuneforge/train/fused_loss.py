@@ -55,6 +55,7 @@ class LinearCrossEntropySum(torch.autograd.Function):
                 probabilities, loss = _softmax_and_loss(logits, wanted, part, matrix, overwrite=on_cpu)
                 total += loss
                 if not (need_hidden or need_weight):
+                    del probabilities
                     continue
                 # d(loss)/d(logits) = softmax - one_hot, in place over the probabilities.
                 probabilities[torch.arange(stop - start, device=probabilities.device), wanted] -= 1.0
@@ -63,6 +64,8 @@ class LinearCrossEntropySum(torch.autograd.Function):
                     _product_into(grad_hidden[start:stop], gradient, matrix)
                 if need_weight:
                     _accumulate_weight_gradient(grad_weight, gradient, part, first=start == 0)
+                # Freed before the next chunk allocates its own: otherwise two chunks' worth are alive at once.
+                del probabilities, gradient
         if grad_weight is not None and rows == 0:
             grad_weight.zero_()  # no chunk wrote it
         # Held on ctx, not saved for backward: they are results, not inputs, and backward hands them over

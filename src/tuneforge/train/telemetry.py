@@ -47,7 +47,8 @@ def model_flops_per_token(model: nn.Module, moe: MoEMap) -> float:
     """The matmul FLOPs a training step needs per token, attention scores left out: 2 per active parameter
     forward, 2 more for the gradient of its input, and 2 more for its own gradient only where it trains. Full
     fine-tuning gives the usual 6 x N; LoRA about 4 x N, since frozen weights get no gradient. Recomputation
-    under activation checkpointing is not counted (model FLOPs, not hardware FLOPs). Call it on the trainable
-    model, before an engine shards it."""
+    under activation checkpointing is not counted (model FLOPs, not hardware FLOPs). Frozen layers below every
+    trainable one need no input gradient either; they are counted with one (an upper bound, for `model.freeze`
+    of the bottom layers). Call it on the trainable model, before an engine shards it."""
     shares = _matmul_shares(model, moe)
     return sum(shares.get(id(p), 1.0) * stored_numel(p) * (6 if p.requires_grad else 4) for p in model.parameters())
