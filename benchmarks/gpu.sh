@@ -5,7 +5,7 @@
 #
 # WHEEL_DIR holds the wheels to install offline (torch for the GPU's CUDA, transformers, peft, and their
 # dependencies; `pip download -d wheels torch transformers peft ...` on a machine with network). Without it
-# the current Python environment is used as it is. Prints, each part cut off at its time limit, 8 minutes in all:
+# the current Python environment is used as it is. Prints, each part cut off at its time limit, at most 490 s in all:
 #   - benchmarks/gpu_lora.py on a DeepSeek-V2-Lite-architecture model (random weights, real dimensions, all 27
 #     layers) and a Llama-3-8B-architecture model (all 32 layers): tuneforge's step against transformers + PEFT;
 #   - benchmarks/gpu_lora.py --train-run: a whole `tuneforge train` run (CLI, data pipeline, watchdog, logging)
