@@ -15,6 +15,7 @@ from tuneforge.model.moe import MoEBlock, MoEMap
 from tuneforge.model.quantize import matches_module_name, quantized_linears
 from tuneforge.model.quantized_experts import quantizable_weights
 from tuneforge.model.structure import decoder_layers
+from tuneforge.train.telemetry import matmul_shares
 
 
 @dataclass(frozen=True)
@@ -58,17 +59,6 @@ def _routed_parameters(model: nn.Module, moe: MoEMap) -> Iterator[tuple[MoEBlock
             yield block, model.get_parameter(f"{block.experts_path}.{name}")
 
 
-def _activity(model: nn.Module, moe: MoEMap) -> dict[int, float]:
-    """Share of tokens that multiply with each parameter, where it is not 1."""
-    share: dict[int, float] = {}
-    for block, param in _routed_parameters(model, moe):
-        share[id(param)] = min(1.0, block.top_k / block.num_experts) if block.top_k else 1.0
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embedding is not None and (head is None or head.weight is not embedding.weight):
-        share[id(embedding.weight)] = 0.0  # a lookup, not a matmul
-    return share
-
-
 def _saved_values(param: nn.Parameter, activity: float) -> float:
     """Activation values a token leaves for backward around one weight: a matmul's input and output (the
     output feeds the next op, which keeps it); a norm's input. For a GPT layer this gives the 34 x hidden
@@ -81,7 +71,7 @@ def _saved_values(param: nn.Parameter, activity: float) -> float:
 
 
 def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int) -> ModelShapes:
-    share = _activity(model, moe)
+    share = matmul_shares(model, moe)
     quantization = cfg.model.quantization
     quantized_ids, stacked_quantized_ids = set(), set()
     if quantization is not None:

@@ -86,10 +86,6 @@ class MoEMap:
     def routers(self) -> list[nn.Module]:
         return [b.router for b in self.blocks]
 
-    def idle_numel(self) -> int:
-        """Routed-expert values a token does not multiply with: all but its top-k experts' share."""
-        return sum(int(b.expert_numel * (1 - b.top_k / b.num_experts)) for b in self.blocks if b.top_k)
-
     def in_experts(self, module_path: str) -> bool:
         return any(module_path == b.experts_path or module_path.startswith(b.experts_path + ".") for b in self.blocks)
 

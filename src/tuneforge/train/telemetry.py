@@ -19,7 +19,7 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kilobytes on Linux
 
 
-def _matmul_shares(model: nn.Module, moe: MoEMap) -> dict[int, float]:
+def matmul_shares(model: nn.Module, moe: MoEMap) -> dict[int, float]:
     """Share of tokens that multiply with a parameter, where it is not 1: a routed expert's parameters (and
     the adapters on them) by top_k of num_experts; the input embedding not at all (a lookup)."""
     shares: dict[int, float] = {}
@@ -39,7 +39,7 @@ def active_matmul_parameters(model: nn.Module, moe: MoEMap) -> float:
     """Parameters a token multiplies with: all but the input embedding, and for MoE only the routed experts
     a token is sent to (top_k of num_experts, from the run's MoE map). Call it before an engine shards the
     model."""
-    shares = _matmul_shares(model, moe)
+    shares = matmul_shares(model, moe)
     return sum(shares.get(id(p), 1.0) * stored_numel(p) for p in model.parameters())
 
 
@@ -50,5 +50,5 @@ def model_flops_per_token(model: nn.Module, moe: MoEMap) -> float:
     under activation checkpointing is not counted (model FLOPs, not hardware FLOPs). Frozen layers below every
     trainable one need no input gradient either; they are counted with one (an upper bound, for `model.freeze`
     of the bottom layers). Call it on the trainable model, before an engine shards it."""
-    shares = _matmul_shares(model, moe)
+    shares = matmul_shares(model, moe)
     return sum(shares.get(id(p), 1.0) * stored_numel(p) * (6 if p.requires_grad else 4) for p in model.parameters())
