@@ -72,12 +72,12 @@ def test_peft_loads_the_saved_adapter_with_the_trained_logits(tokenizer, tmp_pat
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32, trust_remote_code=remote)
         loaded = PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
         torch.testing.assert_close(loaded(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
-        ours = load_trained(tmp_path / "adapter", tmp_path / "base").model
+        ours = load_trained(tmp_path / "adapter", tmp_path / "base", trust_remote_code=remote).model
         torch.testing.assert_close(ours(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
         # tuneforge's loader runs adapters on stacked experts as in training: grouped low-rank products.
         grouped = {type(m).__module__ for n, m in ours.named_modules() if n.endswith(".experts")}
         assert (grouped == {"tuneforge.model.expert_lora"}) == case.endswith("stacked-experts")
-        merged = load_trained(tmp_path / "adapter", tmp_path / "base", merge=True).model
+        merged = load_trained(tmp_path / "adapter", tmp_path / "base", merge=True, trust_remote_code=remote).model
         torch.testing.assert_close(merged(input_ids=ids).logits, trained, atol=1e-4, rtol=1e-4)
 
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

@@ -22,9 +22,10 @@ def run_chat(
     template_name: str | None,
     max_new_tokens: int,
     base: Path | None = None,
+    trust_remote_code: bool = False,
 ) -> None:
     """A full checkpoint, or an adapter on its base model (loaded as in training, k-bit included)."""
-    trained = load_trained(checkpoint, base)
+    trained = load_trained(checkpoint, base, trust_remote_code=trust_remote_code)
     model, tokenizer, meta = trained.model, trained.tokenizer, trained.meta
     spec = template_name or meta.get("template")
     if spec is None:

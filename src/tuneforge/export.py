@@ -20,6 +20,7 @@ from tuneforge.model.trained import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     adapter_base,
+    allow_remote_code,
     base_dtype,
     check_checkpoint,
     is_adapter,
@@ -43,6 +44,8 @@ def attach_chat_template(tokenizer: PreTrainedTokenizerBase, meta: dict) -> str:
 
 
 def _prepare_out(out: Path) -> Path:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: a file of that name exists; export writes a directory: choose another path")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out}: directory exists and is not empty; remove it or choose another")
     from tuneforge.train.inputs import writable_problems
@@ -64,14 +67,21 @@ def _finish(tmp: Path, out: Path) -> None:
     tmp.rename(out)
 
 
-def export(checkpoint: Path, out: Path, merge: bool, dtype_name: str | None, base: Path | None = None) -> list[str]:
+def export(
+    checkpoint: Path,
+    out: Path,
+    merge: bool,
+    dtype_name: str | None,
+    base: Path | None = None,
+    trust_remote_code: bool = False,
+) -> list[str]:
     """Write the export atomically; returns lines describing it."""
     meta = read_chat_meta(checkpoint) or {}
     adapter = is_adapter(checkpoint)
     if adapter and not merge:
         check_checkpoint(checkpoint)  # the merge path checks it inside load_trained
-        return _export_adapter(checkpoint, out, dtype_name, base, meta)
-    trained = load_trained(checkpoint, base, merge=True)
+        return _export_adapter(checkpoint, out, dtype_name, base, meta, trust_remote_code)
+    trained = load_trained(checkpoint, base, merge=True, trust_remote_code=trust_remote_code)
     dtype = EXPORT_DTYPES[dtype_name] if dtype_name else base_dtype(trained.base or str(checkpoint))
     tmp = _prepare_out(out)
     model = trained.model.to(dtype)
@@ -87,14 +97,16 @@ def export(checkpoint: Path, out: Path, merge: bool, dtype_name: str | None, bas
     return [f"exported {kind}: {out} ({str(dtype).removeprefix('torch.')}, safetensors)", note]
 
 
-def _export_adapter(checkpoint: Path, out: Path, dtype_name: str | None, base: Path | None, meta: dict) -> list[str]:
+def _export_adapter(
+    checkpoint: Path, out: Path, dtype_name: str | None, base: Path | None, meta: dict, trust_remote_code: bool
+) -> list[str]:
     base_path = adapter_base(checkpoint, base)
+    remote = allow_remote_code(base_path, trust_remote_code, bool(meta.get("adapter", {}).get("trust_remote_code")))
     tmp = _prepare_out(out)
     config = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = str(Path(base_path).resolve())
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-    trust = bool(meta.get("adapter", {}).get("trust_remote_code"))
-    portable = make_portable(tmp, AutoConfig.from_pretrained(base_path, trust_remote_code=trust).model_type)
+    portable = make_portable(tmp, AutoConfig.from_pretrained(base_path, trust_remote_code=remote).model_type)
     weights = load_file(checkpoint / ADAPTER_WEIGHTS)
     if dtype_name:
         weights = {name: tensor.to(EXPORT_DTYPES[dtype_name]) for name, tensor in weights.items()}

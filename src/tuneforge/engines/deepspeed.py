@@ -21,6 +21,19 @@ from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
 from tuneforge.errors import UserError
 from tuneforge.model.moe import MoEMap
+from tuneforge.pickle_guard import refuse_unsafe_pickles
+
+DEEPSPEED_RECORD_TYPES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+)
+"""Besides tensors and containers, what DeepSpeed pickles into its checkpoint files: its loss scaler's settings
+and enums (plain attributes, restored without calling code)."""
+
+
+def _deepspeed_record_type(name: str) -> bool:
+    return name in DEEPSPEED_RECORD_TYPES
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -198,6 +211,10 @@ class DeepSpeedEngine(Engine):
         self._engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
 
     def load_state(self, directory: Path) -> None:
+        # DeepSpeed unpickles its files with torch.load(weights_only=False): they are scanned first.
+        refuse_unsafe_pickles(
+            sorted((directory / "deepspeed").glob("*.pt")), _deepspeed_record_type, f"--resume {directory}"
+        )
         path, _ = self._engine.load_checkpoint(
             str(directory),
             tag="deepspeed",

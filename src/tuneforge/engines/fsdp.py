@@ -26,6 +26,17 @@ from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.structure import decoder_layers
+from tuneforge.pickle_guard import refuse_unsafe_pickles
+
+
+def _dcp_metadata_type(name: str) -> bool:
+    """The record types of a distributed checkpoint's `.metadata`, and the path type its storage info holds."""
+    module, _, _ = name.rpartition(".")
+    return module == "torch.distributed.checkpoint.metadata" or name in (
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+    )
 
 
 class FSDPEngine(Engine):
@@ -110,6 +121,8 @@ class FSDPEngine(Engine):
             self.scaler.save(directory)
 
     def load_state(self, directory: Path) -> None:
+        # PyTorch reads the checkpoint's `.metadata` with pickle.load (its tensors with weights_only=True).
+        refuse_unsafe_pickles([directory / "fsdp" / ".metadata"], _dcp_metadata_type, f"--resume {directory}")
         model_state, optimizer_state = get_state_dict(self._model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(directory / "fsdp"))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import transformers
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError
@@ -100,9 +100,32 @@ def adapter_base(checkpoint: Path, base: Path | None = None) -> str:
     return path
 
 
-def _load_base(path: str, adapter_meta: dict[str, Any], dequantize: bool) -> PreTrainedModel:
-    # As in training: transformers' own implementation where it has one (its experts are the stacked ones).
-    remote = bool(adapter_meta.get("trust_remote_code", False)) and not native_architecture(path)
+def allow_remote_code(path: str, trust_remote_code: bool, recorded: bool = False) -> bool:
+    """Whether to run the Python code of model directory `path`: only where transformers lacks the architecture
+    and the user said so (`--trust-remote-code`). What a received checkpoint records (`recorded`: it trained with
+    model.trust_remote_code) only words the refusal; a file never turns remote code on."""
+    if (trust_remote_code or recorded) and native_architecture(path):
+        return False  # as in training: transformers' own implementation where it has one
+    if trust_remote_code:
+        return True
+    try:
+        AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, OSError) as exc:
+        if "trust_remote_code" not in str(exc) and "auto_map" not in str(exc):
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            raise UserError(f"{path}: the model's config.json cannot be read ({reason})") from None
+        trained = " (it was trained with model.trust_remote_code: true)" if recorded else ""
+        raise UserError(
+            f"{path}: transformers does not implement this model's architecture; loading it runs the Python "
+            f"files in that directory{trained}. If you trust them, pass --trust-remote-code"
+        ) from None
+    return False
+
+
+def _load_base(
+    path: str, adapter_meta: dict[str, Any], dequantize: bool, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    remote = allow_remote_code(path, trust_remote_code, bool(adapter_meta.get("trust_remote_code", False)))
     quantization = adapter_meta.get("quantization")
     if quantization is None:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=remote)
@@ -147,20 +170,24 @@ def _quantize_experts_as_trained(
         )
 
 
-def load_trained(checkpoint: Path, base: Path | None = None, merge: bool = False) -> Trained:
+def load_trained(
+    checkpoint: Path, base: Path | None = None, merge: bool = False, trust_remote_code: bool = False
+) -> Trained:
     """The trained model in float32 on CPU. With `merge`, adapters are folded into (dequantized) base weights
-    and a plain `transformers` model is returned."""
+    and a plain `transformers` model is returned. Python code shipped with a model runs only with
+    `trust_remote_code` (the user's --trust-remote-code), never because a checkpoint asks for it."""
     from peft import PeftConfig, PeftModel
 
     transformers.utils.logging.disable_progress_bar()
     check_checkpoint(checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     meta = read_chat_meta(checkpoint) or {}
+    remote = not is_adapter(checkpoint) and allow_remote_code(str(checkpoint), trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=remote)
     if not is_adapter(checkpoint):
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=remote)
         return Trained(model.eval(), tokenizer, meta, None)
     base_path = adapter_base(checkpoint, base)
-    base_model = _load_base(base_path, meta.get("adapter", {}), dequantize=merge)
+    base_model = _load_base(base_path, meta.get("adapter", {}), merge, trust_remote_code)
     config = PeftConfig.from_pretrained(checkpoint)
     if not merge and getattr(config, "target_parameters", None):
         # Adapters on stacked experts run as in training: grouped low-rank products, no W + B·A per token.

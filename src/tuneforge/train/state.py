@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError
@@ -41,18 +43,72 @@ class ResumePoint:
     """Ranks per sample: the data-parallel size, and so the data plan, is world_size / sequence_parallel."""
 
 
+RNG_FILE = "rng-rank-{rank}.safetensors"
+LEGACY_RNG_FILE = "rng-rank-{rank}.pt"
+"""Written before 0.x checkpoints held only data: a pickle, read with PyTorch's weights-only loader."""
+
+
 def save_rng(directory: Path, rank: int) -> None:
-    state = {
+    """Every generator's state as data (safetensors: tensors, and JSON for the scalars), so reading a checkpoint
+    someone handed over never unpickles anything."""
+    version, internal, gauss_next = random.getstate()
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    tensors = {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": torch.tensor(internal, dtype=torch.int64),
+        "numpy": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
     }
-    torch.save(state, directory / f"rng-rank-{rank}.pt")
+    if torch.cuda.is_available():
+        tensors.update({f"cuda.{index}": state for index, state in enumerate(torch.cuda.get_rng_state_all())})
+    scalars = {
+        "python": json.dumps([version, gauss_next]),
+        "numpy": json.dumps([name, int(position), int(has_gauss), float(cached_gaussian)]),
+    }
+    save_file(tensors, directory / RNG_FILE.format(rank=rank), metadata=scalars)
 
 
 def load_rng(directory: Path, rank: int) -> None:
-    state = torch.load(directory / f"rng-rank-{rank}.pt", weights_only=False)  # our own file: Python objects
+    path = directory / RNG_FILE.format(rank=rank)
+    if not path.exists() and (directory / LEGACY_RNG_FILE.format(rank=rank)).exists():
+        _set_rng(_legacy_rng(directory / LEGACY_RNG_FILE.format(rank=rank)))
+        return
+    try:
+        with safe_open(path, framework="pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
+            scalars = handle.metadata() or {}
+        version, gauss_next = json.loads(scalars["python"])
+        name, position, has_gauss, cached_gaussian = json.loads(scalars["numpy"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"--resume: {path} is not readable ({reason}); resume from another checkpoint") from None
+    cuda = [tensors[f"cuda.{index}"] for index in range(len(tensors)) if f"cuda.{index}" in tensors]
+    _set_rng(
+        {
+            "torch": tensors["torch"],
+            "cuda": cuda or None,
+            "python": (version, tuple(tensors["python"].tolist()), gauss_next),
+            "numpy": (name, tensors["numpy"].numpy().astype(np.uint32), position, has_gauss, cached_gaussian),
+        }
+    )
+
+
+def _legacy_rng(path: Path) -> dict:
+    """An RNG file of an older tuneforge: PyTorch's weights-only unpickler with numpy's array types allowed,
+    which imports nothing else; anything more is refused."""
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, weights_only=True)
+    except Exception as exc:  # UnpicklingError and whatever a foreign file raises: the reason goes to the user
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise UserError(
+            f"--resume: {path} holds more than random-generator states ({reason}); tuneforge does not load "
+            "files that could run code. Resume from a checkpoint you wrote, or start a new run"
+        ) from None
+
+
+def _set_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,183 @@
+"""Files someone hands over never run code: checkpoints resumed, adapters chatted with or exported."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tuneforge.engines.deepspeed import _deepspeed_record_type
+from tuneforge.engines.fsdp import _dcp_metadata_type
+from tuneforge.errors import UserError
+from tuneforge.pickle_guard import UNRESOLVED, pickle_globals, refuse_unsafe_pickles
+from tuneforge.train.checkpoint import MANIFEST
+from tuneforge.train.state import load_rng
+
+from conftest import TINY_LLAMA, TUNEFORGE, chat, train_here, write_jsonl
+
+
+class RunsACommand:
+    """What a hostile file holds: unpickling it calls os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_the_scan_finds_the_call_at_every_pickle_protocol(tmp_path, protocol):
+    data = pickle.dumps({"state": [1, 2.0, "x"], "payload": RunsACommand(tmp_path / "ran")}, protocol=protocol)
+    assert "posix.system" in pickle_globals(data) or "os.system" in pickle_globals(data)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_global_named_through_the_memo_or_built_at_load_time_is_found():
+    import pickletools
+
+    # STACK_GLOBAL whose strings come back from the memo (as pickle writes a repeated name).
+    memo_named = b"\x80\x04\x8c\x02os\x94\x8c\x06system\x94h\x00h\x01\x93\x94."
+    assert pickle_globals(pickletools.optimize(memo_named)) == {"os.system"}
+    assert pickle_globals(memo_named) == {"os.system"}
+    # STACK_GLOBAL over strings built at load time (a call's result): cannot be named, so never allowed.
+    built = b"\x80\x04\x8c\x08builtins\x8c\x03str\x93\x8c\x02os\x85R\x8c\x06system\x93."
+    assert UNRESOLVED in pickle_globals(built)
+
+
+def write_tiny_run(directory) -> None:
+    write_jsonl(directory / "train.jsonl", [chat(f"question {i}", f"answer {i}") for i in range(8)])
+    (directory / "cfg.yaml").write_text(
+        TINY_LLAMA
+        + "data: {train_files: [train.jsonl], cache_dir: null}\n"
+        + "train: {lr: 1.0e-3, micro_batch_size: 2, gradient_accumulation: 1, max_steps: 3, precision: fp32}\n"
+        + "checkpoint: {every_steps: 2, save_final: false}\nlog: {progress: lines}\n"
+    )
+
+
+def test_a_checkpoint_whose_rng_file_runs_code_is_refused_without_running_it(tmp_path):
+    """The hostile form of an older tuneforge's RNG file (a pickle), with the manifest made to match: resume
+    says why it refuses, and the command in it never runs."""
+    write_tiny_run(tmp_path)
+    assert train_here(tmp_path / "cfg.yaml", tmp_path / "run").returncode == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-2"
+    state = checkpoint / "training_state"
+    (state / "rng-rank-0.safetensors").unlink()
+    marker = tmp_path / "ran"
+    torch.save({"torch": torch.get_rng_state(), "payload": RunsACommand(marker)}, state / "rng-rank-0.pt")
+    manifest = {
+        path.relative_to(checkpoint).as_posix(): path.stat().st_size
+        for path in checkpoint.rglob("*")
+        if path.is_file() and path.name != MANIFEST
+    }
+    (checkpoint / MANIFEST).write_text(json.dumps({"files": manifest}))
+
+    resumed = train_here(tmp_path / "cfg.yaml", tmp_path / "run", "--resume", str(checkpoint))
+    assert resumed.returncode == 2, resumed.stderr[-2000:]
+    assert f"--resume: {state / 'rng-rank-0.pt'} holds more than random-generator states" in resumed.stderr
+    assert "Traceback" not in resumed.stderr
+    assert not marker.exists()
+
+
+def test_an_older_tuneforge_rng_file_still_restores_every_generator(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.randn()  # a cached Gaussian in numpy's state
+    legacy = {
+        "torch": torch.get_rng_state(),
+        "cuda": None,
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    torch.save(legacy, tmp_path / "rng-rank-0.pt")  # how tuneforge wrote it before
+    expected = (random.random(), np.random.randn(), torch.rand(2).tolist())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    load_rng(tmp_path, 0)
+    assert (random.random(), np.random.randn(), torch.rand(2).tolist()) == expected
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_distributed_checkpoint_metadata_is_refused_when_it_would_run_code(tmp_path):
+    """A real `.metadata` written by PyTorch passes the FSDP engine's scan; the same file made hostile is refused
+    before PyTorch's pickle.load could run it."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"weight": torch.randn(4, 3)}, "optimizer": {"step": torch.tensor(2.0)}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "fsdp"))
+    metadata = tmp_path / "fsdp" / ".metadata"
+    refuse_unsafe_pickles([metadata], _dcp_metadata_type, "--resume x")  # PyTorch's own file: accepted
+
+    marker = tmp_path / "ran"
+    metadata.write_bytes(pickle.dumps([pickle.loads(metadata.read_bytes()), RunsACommand(marker)]))
+    with pytest.raises(UserError, match=r"--resume x: .*\.metadata would import (posix|os)\.system when loaded"):
+        refuse_unsafe_pickles([metadata], _dcp_metadata_type, "--resume x")
+    assert not marker.exists()
+
+
+def test_deepspeed_state_files_pass_and_hostile_ones_are_refused(tmp_path):
+    """What DeepSpeed pickles into its optimizer state files (its loss scaler, the ZeRO stage enum, tensors)
+    passes the DeepSpeed engine's scan; a file that calls anything else is refused."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    record = {"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.weights, "m": torch.ones(3)}
+    torch.save(record, tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    refuse_unsafe_pickles([tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"], _deepspeed_record_type, "r")
+
+    torch.save({**record, "x": RunsACommand(tmp_path / "ran")}, tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(UserError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt:.*data\.pkl would import"):
+        refuse_unsafe_pickles(sorted(tmp_path.glob("*.pt")), _deepspeed_record_type, "r")
+
+
+def code_running_model(directory, marker) -> None:
+    """A model directory whose architecture transformers lacks: its config names Python files, which touch
+    `marker` when imported."""
+    directory.mkdir()
+    (directory / "evil_config.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import PretrainedConfig\n\n\nclass EvilConfig(PretrainedConfig):\n"
+        "    model_type = 'evil'\n"
+    )
+    config = {"model_type": "evil", "auto_map": {"AutoConfig": "evil_config.EvilConfig"}, "architectures": ["E"]}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_an_adapter_that_asks_for_remote_code_does_not_get_it(tmp_path, tokenizer):
+    """An adapter whose tuneforge.json says its base trained with trust_remote_code, on a base with Python files:
+    chat and export refuse, naming --trust-remote-code, and nothing from the base directory runs."""
+    marker = tmp_path / "ran"
+    code_running_model(tmp_path / "base", marker)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    tokenizer.save_pretrained(adapter)
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 4)}, adapter / "adapter_model.safetensors")
+    peft_config = {"peft_type": "LORA", "base_model_name_or_path": str(tmp_path / "base"), "r": 2}
+    (adapter / "adapter_config.json").write_text(json.dumps(peft_config))
+    meta = {"template": "chatml", "system": None, "adapter": {"dtype": "fp32", "trust_remote_code": True}}
+    (adapter / "tuneforge.json").write_text(json.dumps(meta))
+
+    for command in (["chat", str(adapter), "--prompt", "hi"], ["export", str(adapter), "--out", str(tmp_path / "o")]):
+        result = subprocess.run([TUNEFORGE, *command], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "transformers does not implement this model's architecture" in result.stderr, result.stderr[-2000:]
+        assert "(it was trained with model.trust_remote_code: true)" in result.stderr
+        assert "pass --trust-remote-code" in result.stderr and "Traceback" not in result.stderr
+        assert not marker.exists()
+
+
+def test_a_full_checkpoint_with_custom_code_needs_the_flag(tmp_path, tokenizer):
+    marker = tmp_path / "ran"
+    code_running_model(tmp_path / "model", marker)
+    tokenizer.save_pretrained(tmp_path / "model")
+    save_file({"w": torch.zeros(1)}, tmp_path / "model" / "model.safetensors")
+    result = subprocess.run(
+        [TUNEFORGE, "chat", str(tmp_path / "model"), "--prompt", "hi"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and "If you trust them, pass --trust-remote-code" in result.stderr, result.stderr
+    assert "(it was trained with" not in result.stderr and not marker.exists()
