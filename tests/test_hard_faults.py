@@ -1,0 +1,153 @@
+"""Hard faults through the real launcher with 2 ranks: a launcher killed with its process group, a disk that fills
+during a checkpoint. Each ends every process, keeps the last complete checkpoint, and lets a resume continue."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tuneforge.train.checkpoint import checkpoint_problems
+
+from conftest import TINY_LLAMA, TUNEFORGE, chat, free_port, launch, metrics, write_jsonl
+
+CONFIG = (
+    TINY_LLAMA
+    + """\
+data: {train_files: [train.jsonl], cache_dir: null}
+train: {lr: 3.0e-3, micro_batch_size: 2, gradient_accumulation: 1, max_steps: 8, precision: fp32}
+checkpoint: {every_steps: 2, keep_last: 2, save_final: false}
+watchdog: {startup_timeout_s: 120, stall_timeout_s: 30}
+log: {progress: lines}
+"""
+)
+
+
+def write_job(directory) -> None:
+    write_jsonl(directory / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(40)])
+    (directory / "cfg.yaml").write_text(CONFIG)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead but still listed until its parent (init, here) reaps it.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_workers_end_with_a_launcher_killed_with_its_process_group_and_a_resume_right_after_works(tmp_path):
+    write_job(tmp_path)
+    run = tmp_path / "run"
+    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(run)]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    # Rank 1 is slowed after step 3 (when step-2 is committed), so the kill lands mid-run.
+    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": "sleep_data:1:4:60"}
+    job = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    live = run / "diagnostics" / "live"
+    deadline = time.monotonic() + 120
+    pids: list[int] = []
+    while time.monotonic() < deadline and len(pids) < 2:
+        beats = [json.loads(p.read_text()) for p in sorted(live.glob("rank-*.json")) if p.stat().st_size]
+        if len(beats) == 2 and all(b["step"] >= 4 for b in beats) and (run / "checkpoints" / "step-2").exists():
+            pids = [b["pid"] for b in beats]
+        time.sleep(0.2)
+    assert pids, job.communicate(timeout=30)
+    os.killpg(job.pid, signal.SIGKILL)  # what the OOM killer or `kill -9 -- -PGID` does
+    job.communicate(timeout=30)
+    killed_at = time.monotonic()
+    while any(alive(pid) for pid in pids) and time.monotonic() - killed_at < 10:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids), "workers outlived their launcher"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")) == ["step-2"]
+
+    resumed = launch(tmp_path / "cfg.yaml", run, "--resume", "auto", ranks=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step-2'}: step 2" in resumed.stdout
+    assert [r["step"] for r in metrics(run)] == list(range(1, 9))
+
+
+@contextlib.contextmanager
+def small_filesystem(directory, size: str):
+    """A tmpfs of `size` at `directory`, for a disk that really fills; where mounting is not allowed (not root),
+    the test is skipped (the file-size limit test below covers the same path without privileges)."""
+    directory.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def assert_stopped_with_one_message(result, head: str) -> str:
+    """Every rank stopped with status 2 and one `error:` line starting with `head`, no traceback, and the
+    launcher's own exit clean. Returns the message."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {head}"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors[0]
+
+
+def test_a_disk_that_fills_during_a_checkpoint_stops_every_rank_and_keeps_the_previous_one(tmp_path):
+    """The work dir on a 1,000 KiB file system: step-2 (about 650 KiB) fits, step-4 does not. torch.save reports
+    the full disk without its errno; the run still says why, removes the half-written directory, and continues
+    once there is room."""
+    write_job(tmp_path)
+    with small_filesystem(tmp_path / "disk", "1000k") as disk:
+        run = disk / "run"
+        result = launch(tmp_path / "cfg.yaml", run, ranks=2)
+        checkpoints = run / "checkpoints"
+        message = assert_stopped_with_one_message(result, f"checkpoint {checkpoints / 'step-4'} not written: no space")
+        assert f"free on the disk of {checkpoints}; a checkpoint of this run takes about " in message
+        assert f"the previous checkpoint {checkpoints / 'step-2'} is intact" in message
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
+        assert checkpoint_problems(checkpoints / "step-2") == []
+
+        subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
+        resumed = launch(tmp_path / "cfg.yaml", run, "--resume", "auto", ranks=2)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert [r["step"] for r in metrics(run)] == list(range(1, 9))
+
+
+def test_a_file_size_limit_at_the_first_checkpoint_stops_every_rank_with_the_limit_named(tmp_path):
+    """`ulimit -f` of 300 KiB for the launcher and its workers: the optimizer state (about 460 KiB) cannot be
+    written. Nothing is left in checkpoints/, and the message names the limit."""
+    write_job(tmp_path)
+    run = tmp_path / "run"
+    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(run)]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300 * 1024, 300 * 1024))
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    message = assert_stopped_with_one_message(
+        result, f"checkpoint {run / 'checkpoints' / 'step-2'} not written: a file reached the process's file-size "
+    )
+    assert "(307,200 bytes, `ulimit -f`" in message and "no earlier checkpoint exists" in message
+    assert list((run / "checkpoints").iterdir()) == []
+
+
+def test_a_checkpoint_directory_unwritable_on_one_rank_stops_both_with_one_message(tmp_path):
+    write_job(tmp_path)
+    result = launch(tmp_path / "cfg.yaml", tmp_path / "run", ranks=2, fault="unwritable_in_save:1:4")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    message = assert_stopped_with_one_message(result, f"checkpoint {checkpoints / 'step-4'} not written: ")
+    assert f"{checkpoints} is not writable ([Errno 13] Permission denied" not in message  # said on rank 1 only
+    assert f"{checkpoints} is not writable" in message and "Make it writable again" in message
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
