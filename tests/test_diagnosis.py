@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tuneforge.diagnostics.report import diagnose
 
 
@@ -123,3 +125,43 @@ def test_an_abort_whose_heartbeat_ends_before_the_ranks_part_still_names_the_exp
     assert any(line.startswith("rank 0 died of SIGABRT (a consequence") for line in found.detail)
     without_experts = state(1, [*shared, gather(3, "layers.1.attn")], reason="error")
     assert diagnose({0: rank0, 1: without_experts}, {0: "died of SIGABRT"}).cause.key == "aborted"
+
+
+def write_two_ranks(diagnostics, rank1_age_s: float) -> None:
+    """Rank 0 dumped on a stall while waiting in collective #2; rank 1's last heartbeat (this process's pid, so
+    alive) is `rank1_age_s` old."""
+    import json
+    import socket
+    import time
+
+    (diagnostics / "live").mkdir(parents=True)
+    rank0 = state(0, [gather(1, "layers.0.attn"), gather(2, "layers.1.attn")], reason="stall", in_flight="#2")
+    (diagnostics / "rank-0.json").write_text(json.dumps(rank0))
+    beat = state(1, [gather(1, "layers.0.attn")], host=socket.gethostname(), pid=os.getpid())
+    beat["updated"] = time.time() - rank1_age_s
+    (diagnostics / "live" / "rank-1.json").write_text(json.dumps(beat))
+
+
+def test_a_frozen_rank_is_named_as_the_cause_of_the_hang(tmp_path):
+    """A rank whose process exists but whose heartbeat (written by its watchdog thread every second, even in a
+    collective) stopped 30 s ago was frozen (SIGSTOP): the cause, not a stuck transport."""
+    from tuneforge.diagnostics.report import build_report
+
+    write_two_ranks(tmp_path, rank1_age_s=30)
+    report = build_report(tmp_path, 2)
+    lines = report.splitlines()
+    assert lines[0] == "tuneforge diagnosis: HANG (frozen)", report
+    assert "frozen: rank(s) 1" in lines and "likely cause: a rank that stopped running" in report
+
+
+def test_a_killed_rank_is_a_failure_and_a_bus_error_names_the_mapped_file(tmp_path):
+    from tuneforge.diagnostics.report import build_report
+
+    write_two_ranks(tmp_path, rank1_age_s=2)
+    killed = build_report(tmp_path, 2, {1: -9}).splitlines()
+    assert killed[0] == "tuneforge diagnosis: FAILURE (killed)" and "died: rank(s) 1" in killed
+    bus = build_report(tmp_path, 2, {1: -7})
+    assert bus.splitlines()[0] == "tuneforge diagnosis: FAILURE (bus_error)", bus
+    assert "rank 1 died of SIGBUS" in bus and "data.cache_dir" in bus
+    alive = build_report(tmp_path, 2)  # a recent heartbeat: not frozen, the program's own reading stands
+    assert "(frozen)" not in alive.splitlines()[0]

@@ -114,6 +114,29 @@ def test_second_run_reads_the_cache_and_a_changed_file_misses_it(tmp_path, token
     assert not cached and len(third.data) == 7
 
 
+@pytest.mark.parametrize("damage", ["cut short", "header gone", "manifest gone"])
+def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(tmp_path, tokenizer, capsys, damage):
+    """A cache file cut short (a full disk, a copy interrupted, a user's truncate): the next run says so and
+    rebuilds the entry, instead of failing on every later run with numpy's EOF errors."""
+    path = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    cfg = config(tmp_path, [path])
+    template = get_template(cfg.template)
+    first, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template)
+    (entry,) = (tmp_path / "cache").iterdir()
+    if damage == "cut short":
+        with (entry / "input_ids.npy").open("r+b") as handle:
+            handle.truncate((entry / "input_ids.npy").stat().st_size - 8)
+    elif damage == "header gone":
+        (entry / "labels.npy").write_bytes(b"")
+    else:
+        (entry / "manifest.json").unlink()
+    again, cached = prepare_split("train", cfg, cfg.train_files, tokenizer, template)
+    assert not cached and np.array_equal(again.data.input_ids, first.data.input_ids)
+    err = capsys.readouterr().err
+    assert f"data cache: {entry}" in err and "; rebuilding it (the damaged entry is kept as " in err
+    assert prepare_split("train", cfg, cfg.train_files, tokenizer, template)[1]  # the rebuilt entry is read
+
+
 def test_a_cache_hit_reports_the_files_of_the_run_that_reads_it(tmp_path, tokenizer):
     """The same file in another directory hits the cache; drops and sample origins name this run's file, not
     the one, since moved away, that filled the cache."""

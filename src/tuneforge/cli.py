@@ -43,6 +43,11 @@ GPU_CHOICES = ["h100", "h200", "a100-80gb", "a100-40gb", "l40s", "a10g", "l4"]
 """The keys of `estimate.hardware.ACCELERATORS`, written out so that `--help` does not import torch."""
 
 
+TRUST_HELP = (
+    "run the Python files of a model whose architecture transformers lacks (never enabled by a checkpoint itself)"
+)
+
+
 def _int_from(minimum: int, maximum: int | None = None):
     """An argparse type: an integer in [minimum, maximum], refused with the range otherwise."""
 
@@ -110,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--template", help="chat template name (default: the one used in training)")
     chat.add_argument("--max-new-tokens", type=_int_from(1), default=256, help="reply length limit (default 256)")
     chat.add_argument("--base", type=Path, help="base model of an adapter checkpoint (default: as recorded)")
+    chat.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
 
     export = commands.add_parser(
         "export",
@@ -124,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", choices=["bf16", "fp16", "fp32"], help="weight dtype (default: the base model's dtype)"
     )
     export.add_argument("--base", type=Path, help="base model of an adapter checkpoint (default: as recorded)")
+    export.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
 
     data = commands.add_parser("data", help="check or preview the training data of a config")
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -344,6 +351,9 @@ def _data(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from rich.console import Console
 
+    from tuneforge.train.inputs import check_data_inputs
+
+    check_data_inputs(config)
     from tuneforge.data.loader import padding_by_strategy
     from tuneforge.data.pipeline import prepare_data
     from tuneforge.data.preview import show
@@ -385,17 +395,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--node-rank {args.node_rank} is beyond --nnodes {args.nnodes}: node ranks go 0..{args.nnodes - 1}"
         )
+    if args.command == "train":
+        from tuneforge.launcher_watch import follow_launcher
+
+        follow_launcher()  # first: a worker whose launcher is killed during its start-up goes too
     try:
         if args.command == "train":
             return _train(args)
         elif args.command == "chat":
             from tuneforge.chat import run_chat
 
-            run_chat(args.checkpoint, args.prompt, args.system, args.template, args.max_new_tokens, args.base)
+            run_chat(
+                args.checkpoint,
+                args.prompt,
+                args.system,
+                args.template,
+                args.max_new_tokens,
+                args.base,
+                args.trust_remote_code,
+            )
         elif args.command == "export":
             from tuneforge.export import export
 
-            for line in export(args.checkpoint, args.out, args.merge, args.dtype, args.base):
+            for line in export(args.checkpoint, args.out, args.merge, args.dtype, args.base, args.trust_remote_code):
                 print(line)
         elif args.command == "import-xtuner":
             _import_xtuner(args.config, args.deepspeed, args.nproc_per_node, args.out)
@@ -416,7 +438,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print("\n".join(describe_fields()))
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from tuneforge.errors import SharedUserError
+
+        shared = isinstance(exc, SharedUserError)
+        if not shared or (not exc.said and int(os.environ.get("RANK", "0")) == 0):
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

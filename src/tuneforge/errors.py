@@ -9,6 +9,15 @@ class UserError(Exception):
     """A located, actionable problem with the user's config, data or command line."""
 
 
+class SharedUserError(UserError):
+    """A problem every rank met together (they agreed on it in a collective): printed once, by rank 0, and not
+    again when `said` (rank 0 printed it before the ranks stopped together)."""
+
+    def __init__(self, message: str, said: bool = False):
+        super().__init__(message)
+        self.said = said
+
+
 class StoppedBySignal(Exception):
     """Training stopped on request (SIGTERM from a scheduler, SIGINT from a terminal) at a step boundary that
     every rank agreed on. Not an error: the run exits with 128 + the signal number, as shells expect."""

@@ -12,7 +12,7 @@ from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as elastic_run
 
 from tuneforge.diagnostics.report import REPORT, build_report
-from tuneforge.watchdog import STOPPED
+from tuneforge.watchdog import STALL_EXIT_CODE, STOPPED
 
 USER_ERROR_EXIT = 2
 """What `tuneforge` exits with after printing a UserError."""
@@ -53,8 +53,12 @@ def launch_workers(
         if _stopped_together(work_dir, started):
             return exc.get_first_failure()[1].exitcode  # the ranks said why and how to resume
         report_failure(exc, work_dir, nproc_per_node * nnodes, started)
-        # A configuration or data error keeps its own status, as in one process; anything else is a failure.
-        return USER_ERROR_EXIT if exc.get_first_failure()[1].exitcode == USER_ERROR_EXIT else 1
+        # A configuration or data error and a stall keep their own status, as in one process; anything else is a
+        # failure.
+        first = exc.get_first_failure()[1].exitcode
+        if first == USER_ERROR_EXIT:
+            return USER_ERROR_EXIT
+        return STALL_EXIT_CODE if any(f.exitcode == STALL_EXIT_CODE for f in exc.failures.values()) else 1
     return 0
 
 
@@ -80,5 +84,8 @@ def report_failure(exc: ChildFailedError, work_dir: Path | None, world_size: int
         return
     exit_codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
     text = build_report(diagnostics, world_size, exit_codes)
-    report.write_text(text + "\n")
     print(text, file=sys.stderr)
+    try:
+        report.write_text(text + "\n")
+    except OSError as write_error:  # a full disk may be why the ranks failed: the report is printed anyway
+        print(f"tuneforge: {report} not written ({write_error.strerror})", file=sys.stderr)

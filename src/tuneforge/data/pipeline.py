@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,8 +24,9 @@ from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate
 from tuneforge.data.tokenize import TokenizedData, tokenize
 from tuneforge.errors import UserError
 
-DATA_VERSION = "2"
-"""Bump when tokenization output changes, so stale caches are never reused."""
+DATA_VERSION = "3"
+"""Bump when tokenization output or the cache layout changes (3: a manifest of file sizes), so stale caches are
+never reused."""
 
 
 @dataclass
@@ -151,17 +153,56 @@ def _save(split: Split, directory: Path, files: list[str]) -> None:
     stored = _relocate_split(split, [str(Path(f)) for f in files], _placeholders(files))
     (tmp / "origins.json").write_text(json.dumps(stored.data.origins))
     (tmp / "report.json").write_text(json.dumps(stored.report.to_json()))
+    sizes = {file.name: file.stat().st_size for file in sorted(tmp.iterdir())}
+    (tmp / CACHE_MANIFEST).write_text(json.dumps(sizes))
     try:
         tmp.rename(directory)
     except OSError:  # another process finished the same cache first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+CACHE_MANIFEST = "manifest.json"
+"""Each file of a cache entry with its size, written last: an entry cut short or changed since is rebuilt."""
+
+
+class DamagedCache(Exception):
+    pass
+
+
 def _load(directory: Path, files: list[str]) -> Split:
-    arrays = {f: np.load(directory / f"{f}.npy", mmap_mode="r") for f in ("input_ids", "labels", "offsets")}
-    origins = json.loads((directory / "origins.json").read_text())
-    report = SplitReport.from_json(json.loads((directory / "report.json").read_text()))
+    """The cached split; DamagedCache when a file is missing, of another size than written, or unreadable."""
+    try:
+        sizes = json.loads((directory / CACHE_MANIFEST).read_text())
+        changed = [name for name, size in sizes.items() if (directory / name).stat().st_size != size]
+        if changed:
+            raise DamagedCache(f"{directory / changed[0]} changed size since it was written")
+        arrays = {f: np.load(directory / f"{f}.npy", mmap_mode="r") for f in ("input_ids", "labels", "offsets")}
+        origins = json.loads((directory / "origins.json").read_text())
+        report = SplitReport.from_json(json.loads((directory / "report.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # missing, cut short, or not what was written
+        raise DamagedCache(f"{directory}: {(str(exc).splitlines() or [type(exc).__name__])[0][:200]}") from None
     return _relocate_split(Split(TokenizedData(origins=origins, **arrays), report), _placeholders(files), files)
+
+
+def _set_aside(directory: Path, why: str) -> None:
+    """Move a damaged cache entry out of the way (kept beside it for inspection) and say so."""
+    aside = directory.with_name(f".damaged-{directory.name}-{os.getpid()}")
+    with contextlib.suppress(OSError):
+        directory.rename(aside)
+    print(f"data cache: {why}; rebuilding it (the damaged entry is kept as {aside})", file=sys.stderr)
+
+
+def _load_intact(directory: Path, files: list[str], timeout_s: float, rank: int) -> Split:
+    """Another rank's view of the cache rank 0 writes: wait while it is missing or being rebuilt."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _wait_for(directory, max(deadline - time.monotonic(), 0), rank)
+        try:
+            return _load(directory, files)
+        except DamagedCache:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)  # rank 0 sets it aside and writes it again
 
 
 def _wait_for(directory: Path, timeout_s: float, rank: int) -> None:
@@ -194,11 +235,16 @@ def prepare_split(
         return build_split(name, cfg, files, tokenizer, template), False
     directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer)
     here = [str(Path(f)) for f in files]
-    if directory.exists():
-        return _load(directory, here), True
     if rank != 0 and world_size > 1:
-        _wait_for(directory, cfg.preprocess_timeout_s, rank)
-        return _load(directory, here), True
+        try:
+            return _load_intact(directory, here, cfg.preprocess_timeout_s, rank), True
+        except DamagedCache as damaged:
+            raise UserError(f"data cache {damaged} and rank 0 did not rebuild it; check rank 0's log") from None
+    if directory.exists():
+        try:
+            return _load(directory, here), True
+        except DamagedCache as damaged:
+            _set_aside(directory, f"{damaged}")
     split = build_split(name, cfg, files, tokenizer, template)
     directory.parent.mkdir(parents=True, exist_ok=True)
     _save(split, directory, files)

@@ -14,6 +14,7 @@ diagnosis can be checked end to end through the real launcher:
   preemption, a Ctrl-C);
 - `kill_in_save`: the same, in the middle of writing that step's checkpoint;
 - `disk_full_in_save`: writing that step's checkpoint fails as on a full disk (ENOSPC);
+- `unwritable_in_save`: writing that step's checkpoint fails as in a directory made read-only (EACCES);
 - `nan_loss`: the rank's loss of that step is NaN (a bad sample, an overflow).
 
 The faults live in wrappers around the run's parts (the step groups, the engine, the model's last decoder
@@ -49,6 +50,7 @@ KINDS = (
     "sigint",
     "kill_in_save",
     "disk_full_in_save",
+    "unwritable_in_save",
     "nan_loss",
 )
 
@@ -175,6 +177,10 @@ class FaultyEngine(Engine):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.injector.due("disk_full_in_save"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "engine.pt"))
+        if self.injector.due("unwritable_in_save"):
+            raise PermissionError(
+                errno.EACCES, os.strerror(errno.EACCES), str(directory / f"rng-rank-{self.info.rank}")
+            )
 
     def load_state(self, directory: Path) -> None:
         self.inner.load_state(directory)

@@ -32,15 +32,28 @@ def last_report(work_dir: Path) -> str:
     world_size = _world_size(diagnostics)
     beats = [read_json(diagnostics / "live" / f"rank-{rank}.json") for rank in range(world_size)]
     if all(beat is not None and beat.get("finished") for beat in beats):
-        where = ", ".join(
-            f"rank {beat['rank']} in phase {beat['phase']} at step {beat['step']}/{beat['total_steps']}"
-            for beat in beats
-        )
-        return (
-            f"tuneforge diagnosis: no hang: every rank ({world_size}) stopped its watchdog itself, without a stall "
-            f"or a failed collective ({where}); the run's own output says how it ended"
-        )
+        return _ended_without_a_stall(work_dir, beats)
     return build_report(diagnostics, world_size)
+
+
+def _ended_without_a_stall(work_dir: Path, beats: list[dict]) -> str:
+    """Every rank stopped its watchdog itself: the run finished, or ended on an error it reported."""
+    from tuneforge.train.checkpoint import step_checkpoints
+
+    step = max(beat["step"] for beat in beats)
+    total = beats[0].get("total_steps")
+    final = work_dir / "checkpoints" / "final"
+    steps = step_checkpoints(work_dir / "checkpoints")
+    newest = f"the newest step checkpoint is {steps[-1][1]}" if steps else "no step checkpoint was kept"
+    if total is not None and step >= total:
+        kept = f"its final checkpoint is {final}" if final.exists() else f"no final checkpoint was saved; {newest}"
+        return f"tuneforge diagnosis: no hang: the run finished all {total} steps; {kept}"
+    of = f" of {total}" if total is not None else ""
+    return (
+        f"tuneforge diagnosis: no hang: the run ended at step {step}{of} without a stall or a failed collective "
+        f"(every rank stopped its watchdog itself, as on an error the run's output names); {newest}, and "
+        "--resume auto continues from it"
+    )
 
 
 def live_dump(work_dir: Path, timeout_s: float = 10.0) -> str:

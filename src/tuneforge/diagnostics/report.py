@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tuneforge.diagnostics.recorder import _is_library, read_black_box
-from tuneforge.watchdog import TRAINING_PHASES, black_box_file, fatal_stacks_file, read_json
+from tuneforge.watchdog import HEARTBEAT_EVERY_S, TRAINING_PHASES, black_box_file, fatal_stacks_file, read_json
 
 REPORT = "report.txt"
 EXPERT_MODULE = re.compile(r"(^|\.)experts(\.|$)")
@@ -40,6 +40,22 @@ CAUSES = {
         "read that rank's own error above or in its log; a rank killed by SIGKILL without a message is usually "
         "the kernel's OOM killer (check `dmesg`), so lower the memory per process (smaller micro-batch, "
         "parallel.cpu_offload, gradient checkpointing); then resume from the last checkpoint",
+    ),
+    "frozen": Cause(
+        "frozen",
+        "a rank that stopped running: its process exists but even its watchdog thread stopped writing its "
+        "heartbeat (stopped by SIGSTOP or Ctrl-Z, a debugger, a machine swapping, a driver call that holds the "
+        "interpreter), while the others wait for it in a collective",
+        "find what froze that process (`ps -o stat,wchan PID` on its host: T is stopped, D waits on a device or "
+        "disk) and end it; then resume from the last checkpoint with --resume auto",
+    ),
+    "bus_error": Cause(
+        "bus_error",
+        "a rank died of a bus error (SIGBUS): a file it had mapped into memory shrank or vanished under it (the "
+        "data cache in data.cache_dir cut short, overwritten or deleted while the run read it; a network file "
+        "system dropping it), or a memory fault",
+        "leave data.cache_dir alone while a run reads it (the next run finds the damaged entry and rebuilds it), "
+        "then resume from the last checkpoint with --resume auto",
     ),
     "moe": Cause(
         "moe",
@@ -270,6 +286,12 @@ def _minority(at: dict[int, dict | None]) -> list[int]:
     return sorted(min(groups.values(), key=len))
 
 
+FROZEN = "stopped reporting"
+"""How a rank whose process exists but whose heartbeat went stale is described."""
+STALE_HEARTBEAT_S = 5 * HEARTBEAT_EVERY_S
+"""A live rank's watchdog thread writes its heartbeat every second, even while its main thread waits in a
+collective: a heartbeat older than this belongs to a process that is not running."""
+
 EXTERNAL_KILLS = ("SIGKILL", "never reported", "is gone", "stopped reporting")
 """Deaths that come from outside the program (OOM killer, scheduler, operator) rather than from a mismatch."""
 
@@ -279,6 +301,11 @@ def diagnose(states: dict[int, dict], missing: dict[int, str]) -> Diagnosis:
     from outside is the cause; a rank that aborted (gloo aborts on a mismatched collective) is usually the
     consequence of a divergence, which is then named, with the death in the details."""
     died = [f"rank {r} {how}" for r, how in sorted(missing.items())]
+    bus_errors = sorted(r for r, how in missing.items() if "Bus error" in how or "SIGBUS" in how)
+    if bus_errors:
+        return Diagnosis(CAUSES["bus_error"], bus_errors, died)
+    if missing and all(how.startswith(FROZEN) for how in missing.values()):
+        return Diagnosis(CAUSES["frozen"], sorted(missing), died)
     if any(any(k in how for k in EXTERNAL_KILLS) for how in missing.values()):
         return Diagnosis(CAUSES["killed"], sorted(missing), died)
     found = _diagnose_program(states)
@@ -439,11 +466,15 @@ def build_report(diagnostics_dir: Path, world_size: int, exit_codes: dict[int, i
             elif code is not None:
                 how = _exit_description(code)
             else:
-                how = (
-                    "is gone (its process no longer exists)" if alive is False else f"stopped reporting {age:.0f}s ago"
-                )
+                how = "is gone (its process no longer exists)" if alive is False else f"{FROZEN} {age:.0f}s ago"
             lines.append(_where(rank, heartbeat, f"last heartbeat {age:.0f}s ago") + f"; {how}")
-            if (code is not None and code != 0 and code != -signal.SIGTERM) or alive is False or fatal is not None:
+            frozen = code is None and alive is not False and age > STALE_HEARTBEAT_S and fatal is None
+            if (
+                (code is not None and code != 0 and code != -signal.SIGTERM)
+                or alive is False
+                or fatal is not None
+                or (frozen and not heartbeat.get("finished"))
+            ):
                 missing[rank] = how
         else:
             how = _exit_description(code) if code is not None else "never reported"
@@ -452,11 +483,13 @@ def build_report(diagnostics_dir: Path, world_size: int, exit_codes: dict[int, i
                 missing[rank] = how
     diagnosis = diagnose(states, missing)
     stalled = any(s.get("reason") == "stall" for s in states.values())
-    kind = "HANG" if stalled or diagnosis.cause.key in ("killed", "same_collective") else "FAILURE"
+    # A rank that died is a failure the others would hang on; a frozen rank or a stuck transport is a hang.
+    dead = diagnosis.cause.key in ("killed", "aborted", "bus_error")
+    kind = "HANG" if not dead and (stalled or diagnosis.cause.key in ("frozen", "same_collective")) else "FAILURE"
     who = f"rank(s) {', '.join(map(str, diagnosis.diverged))}" if diagnosis.diverged else "no single rank"
     if not diagnosis.diverged and diagnosis.cause.key == "moe":
         who = "every rank, each after its own tokens' choice of experts"
-    verdict = "died" if diagnosis.cause.key in ("killed", "aborted") else "diverged"
+    verdict = "died" if dead else "frozen" if diagnosis.cause.key == "frozen" else "diverged"
     text = [
         f"tuneforge diagnosis: {kind} ({diagnosis.cause.key})",
         "where each rank is:",

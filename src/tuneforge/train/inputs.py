@@ -34,6 +34,17 @@ def check_inputs(cfg: Config, work_dir: Path) -> None:
         raise UserError("\n".join(problems))
 
 
+def check_data_inputs(cfg: Config) -> None:
+    """What `tuneforge data check` and `data preview` need: the data files, the tokenizer (the model's when it
+    has none of its own) and a `data.max_length` within the model's context, as `train` checks them."""
+    model = cfg.model
+    if model.tokenizer is not None:  # the weights are not read: only the tokenizer's files must be there
+        model = model.model_copy(update={"path": None})
+    problems = [*_data_problems(cfg), *_model_problems(model), *_context_problems(cfg)]
+    if problems:
+        raise UserError("\n".join(problems))
+
+
 def _data_problems(cfg: Config) -> list[str]:
     named = [("data.train_files", f) for f in cfg.data.train_files]
     named += [("data.validation_files", f) for f in cfg.data.validation_files]

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +14,7 @@ import torch
 
 from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
-from tuneforge.distributed import barrier, gather_objects
+from tuneforge.distributed import gather_objects
 from tuneforge.engines import Engine
 from tuneforge.errors import StoppedBySignal, UserError
 from tuneforge.estimate.hardware import peak_flops
@@ -25,20 +23,15 @@ from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.train.checkpoint import (
     QUANTIZED_EXPERTS,
-    commit_checkpoint,
-    directory_bytes,
-    prune_checkpoints,
-    step_checkpoints,
-    temporary_dir,
-    write_model_files,
 )
 from tuneforge.train.loss import loss_sum
 from tuneforge.train.metrics import MetricsLog
 from tuneforge.train.parts import RunParts
 from tuneforge.train.progress import ProgressReporter
+from tuneforge.train.saving import CheckpointWriter
 from tuneforge.train.schedule import LRSchedule, resolve_warmup
 from tuneforge.train.sinks import open_sinks
-from tuneforge.train.state import TRAINING_STATE, ResumePoint, save_rng, write_state
+from tuneforge.train.state import ResumePoint
 from tuneforge.train.telemetry import peak_memory_gb
 from tuneforge.train.validate import validation_loss
 from tuneforge.watchdog import STOP_SIGNALS, STOPPED
@@ -144,41 +137,6 @@ def step_groups(
         skip = 0
 
 
-OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _is_out_of_space(exc: BaseException, directory: Path) -> bool:
-    if isinstance(exc, OSError) and exc.errno in OUT_OF_SPACE_ERRNOS:
-        return True
-    # torch.save reports a failed write without its errno ("file write failed"): ask the file system.
-    return "write failed" in str(exc) and shutil.disk_usage(directory.parent).free < 64 * 2**20
-
-
-@contextlib.contextmanager
-def out_of_space_explained(tmp: Path, name: str) -> Iterator[None]:
-    """A full disk (or quota) while writing checkpoint `name`: drop the half-written one, keep the previous,
-    and say how much room a checkpoint of this run takes."""
-    try:
-        yield
-    except (OSError, RuntimeError) as exc:
-        if not _is_out_of_space(exc, tmp):
-            raise
-        written = directory_bytes(tmp) if tmp.exists() else 0
-        shutil.rmtree(tmp, ignore_errors=True)
-        checkpoints = tmp.parent
-        previous = step_checkpoints(checkpoints)
-        size = f"at least {written / 2**30:.2f} GiB (this much was written before the disk filled)"
-        if previous:
-            size = f"about {directory_bytes(previous[-1][1]) / 2**30:.2f} GiB (the size of {previous[-1][1].name})"
-        kept = f"the previous checkpoint {previous[-1][1]} is intact" if previous else "no earlier checkpoint exists"
-        free = shutil.disk_usage(checkpoints).free / 2**30
-        raise UserError(
-            f"checkpoint {checkpoints / name} not written: no space left ({free:.2f} GiB free on the disk of "
-            f"{checkpoints}; a checkpoint of this run takes {size}); {kept}. Free space or lower "
-            "checkpoint.keep_last, then continue with --resume auto"
-        ) from None
-
-
 class Trainer:
     """Runs the steps. Every rank executes the same calls in the same order; only rank 0 writes files."""
 
@@ -192,10 +150,7 @@ class Trainer:
         self.best_val_loss = float("inf")
         self.nonfinite_in_row = 0
         self.samples_consumed = 0
-        self.adapter_note_said = False
         self.stop_votes: tuple[int, ...] = ()
-        self.last_save_s: float | None = None
-        """How long the last step checkpoint took: whether another fits in the time a stop signal leaves."""
         self.peak_flops = peak_flops(parts.engine.info.device)
         train = cfg.train
         per_epoch = steps_per_epoch(len(parts.planner), train.gradient_accumulation)
@@ -214,6 +169,15 @@ class Trainer:
             cfg.log.every_steps,
         )
         self.checkpoints_dir = parts.work_dir / "checkpoints"
+        self.writer = CheckpointWriter(
+            parts.engine,
+            parts.tokenizer,
+            self.checkpoints_dir,
+            parts.work_dir / "config.yaml",
+            cfg.checkpoint.keep_last,
+            self.progress.log,
+            lambda: self.watchdog.beat("save"),
+        )
         self.watchdog.total_steps = self.total_steps
         data = cfg.data.model_dump(mode="json")
         self.chat_meta = {"template": data["template"], "system": data["system"]}
@@ -352,11 +316,11 @@ class Trainer:
         half-written one would be discarded anyway when the scheduler kills the job)."""
         watchdog = self.watchdog
         left = watchdog.stop_grace_s - (time.monotonic() - watchdog.stop_requested_at if watchdog.stop_signal else 0)
-        too_slow = self.last_save_s is not None and self.last_save_s > left
+        too_slow = self.writer.last_state_save_s is not None and self.writer.last_state_save_s > left
         (too_slow_anywhere,) = self.engine.sum_across_ranks([float(too_slow)])  # every rank decides the same
         if too_slow_anywhere:
             self.progress.log(
-                f"no checkpoint at step {step}: the last one took {self.last_save_s:.0f}s and "
+                f"no checkpoint at step {step}: the last one took {self.writer.last_state_save_s:.0f}s and "
                 f"{max(left, 0):.0f}s of watchdog.stop_grace_s are left; --resume auto takes the newest one"
             )
             return None
@@ -472,53 +436,20 @@ class Trainer:
                 handle.write(json.dumps({"step": step, "prompt": prompt, "reply": reply}, ensure_ascii=False) + "\n")
 
     def save(self, name: str, step: int, epoch: int | None, with_state: bool) -> None:
-        """All ranks write into a temporary directory (their training state); rank 0 adds the Hugging Face
-        files and renames it into place, so a crash at any point never leaves a checkpoint resume would take."""
-        info = self.engine.info
-        self.watchdog.beat("save")
-        started = time.monotonic()
-        weights = self.engine.full_state_dict()  # a collective for sharded engines: every rank takes part
-        final = self.checkpoints_dir / name
-        tmp = temporary_dir(final)
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / TRAINING_STATE).mkdir(parents=True)
-        barrier(info)
+        """`checkpoints/NAME` from every rank, with the training state for an exact resume when `with_state`."""
+        point = None
         if with_state:
-            with out_of_space_explained(tmp, name):
-                self.engine.save_state(tmp / TRAINING_STATE)
-                save_rng(tmp / TRAINING_STATE, info.rank)
-        barrier(info)
-        if self.is_main:
-            meta = {**self.chat_meta, "step": step}
-            with out_of_space_explained(tmp, name):
-                note = write_model_files(
-                    self.engine.unwrapped, self.parts.tokenizer, tmp, meta, self.work_dir / "config.yaml", weights
-                )
-            if note and not self.adapter_note_said:
-                self.progress.log(note)
-                self.adapter_note_said = True
-            if with_state:
-                train = self.cfg.train
-                point = ResumePoint(
-                    step,
-                    epoch or 0,
-                    self.samples_consumed,
-                    info.world_size,
-                    train.micro_batch_size,
-                    train.gradient_accumulation,
-                    self.engine.name,
-                    self.best_val_loss if self.best_val_loss < float("inf") else None,
-                    self.parts.run_id or None,
-                    self.parts.layout.size,
-                )
-                write_state(tmp / TRAINING_STATE, point)
-            else:
-                shutil.rmtree(tmp / TRAINING_STATE)
-            commit_checkpoint(tmp, final)
-            prune_checkpoints(self.checkpoints_dir, self.cfg.checkpoint.keep_last)
-            self.progress.log(f"saved checkpoint {final}")
-        barrier(info)
-        if with_state:
-            self.last_save_s = time.monotonic() - started
-        self.watchdog.beat("save")
+            train = self.cfg.train
+            point = ResumePoint(
+                step,
+                epoch or 0,
+                self.samples_consumed,
+                self.engine.info.world_size,
+                train.micro_batch_size,
+                train.gradient_accumulation,
+                self.engine.name,
+                self.best_val_loss if self.best_val_loss < float("inf") else None,
+                self.parts.run_id or None,
+                self.parts.layout.size,
+            )
+        self.writer.save(name, {**self.chat_meta, "step": step}, point)

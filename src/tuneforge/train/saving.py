@@ -1,0 +1,192 @@
+"""Writing a checkpoint from every rank: atomically, and with a write that fails on any rank (a full disk, a
+file-size limit, a directory made unwritable) ending every rank alike, with one message and nothing half-written.
+
+Every rank writes its training state into `.tmp-NAME`, rank 0 adds the Hugging Face files and renames the
+directory into place. Between the phases the ranks vote (one all-reduce, where barriers stood before) on which
+faults any of them met, so no rank waits in a collective for one that gave up, and all stop at the same point.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from tuneforge.distributed import barrier
+from tuneforge.engines import Engine
+from tuneforge.errors import SharedUserError
+from tuneforge.train.checkpoint import (
+    commit_checkpoint,
+    directory_bytes,
+    prune_checkpoints,
+    step_checkpoints,
+    temporary_dir,
+    write_model_files,
+)
+from tuneforge.train.state import TRAINING_STATE, ResumePoint, save_rng, write_state
+from tuneforge.train.write_faults import WriteFault, classify, file_size_limit
+
+
+class CheckpointWriter:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
+        checkpoints_dir: Path,
+        config_file: Path,
+        keep_last: int | None,
+        log: Callable[[str], None],
+        beat: Callable[[], None],
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.checkpoints_dir = checkpoints_dir
+        self.config_file = config_file
+        self.keep_last = keep_last
+        self.log = log
+        self.beat = beat
+        self.adapter_note_said = False
+        self.last_state_save_s: float | None = None
+        """How long the last checkpoint with training state took: whether another fits in a stop's grace time."""
+
+    def save(self, name: str, meta: dict[str, Any], point: ResumePoint | None) -> Path:
+        """`checkpoints/NAME`, with the training state for an exact resume when `point` is given. A collective:
+        every rank calls it."""
+        engine, is_main = self.engine, self.engine.info.is_main
+        self.beat()
+        started = time.monotonic()
+        weights = engine.full_state_dict()  # a collective for sharded engines: every rank takes part
+        final = self.checkpoints_dir / name
+        tmp = temporary_dir(final)
+        errors: list[BaseException] = []
+        if is_main:
+            self._attempt(errors, lambda: self._fresh(tmp))
+        self._agree(errors, tmp, final)
+        if point is not None:
+            self._attempt(errors, lambda: self._write_state(tmp))
+            self._agree(errors, tmp, final)
+        if is_main:
+            self._attempt(errors, lambda: self._write_model(tmp, final, meta, point, weights))
+        self._agree(errors, tmp, final)
+        if is_main:
+            self.log(f"saved checkpoint {final}")
+        if point is not None:
+            self.last_state_save_s = time.monotonic() - started
+        self.beat()
+        return final
+
+    @staticmethod
+    def _attempt(errors: list[BaseException], write: Callable[[], None]) -> None:
+        try:
+            write()
+        except Exception as exc:  # judged, with every rank's, in `_agree`
+            errors.append(exc)
+
+    @staticmethod
+    def _fresh(tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / TRAINING_STATE).mkdir(parents=True)
+
+    def _write_state(self, tmp: Path) -> None:
+        self.engine.save_state(tmp / TRAINING_STATE)
+        save_rng(tmp / TRAINING_STATE, self.engine.info.rank)
+
+    def _write_model(
+        self, tmp: Path, final: Path, meta: dict[str, Any], point: ResumePoint | None, weights: dict | None
+    ) -> None:
+        note = write_model_files(self.engine.unwrapped, self.tokenizer, tmp, meta, self.config_file, weights)
+        if note and not self.adapter_note_said:
+            self.log(note)
+            self.adapter_note_said = True
+        if point is not None:
+            write_state(tmp / TRAINING_STATE, point)
+        else:
+            shutil.rmtree(tmp / TRAINING_STATE)
+        commit_checkpoint(tmp, final)
+        prune_checkpoints(self.checkpoints_dir, self.keep_last)
+
+    def _agree(self, errors: list[BaseException], tmp: Path, final: Path) -> None:
+        """Every rank learns which faults any rank met; on any, the half-written directory goes and every rank
+        stops: with one message for a fault of the disk, or its own error where it was another kind."""
+        mine = [0.0] * len(WriteFault)
+        for exc in errors:
+            mine[classify(exc, tmp)] = 1.0
+        votes = self.engine.sum_across_ranks(mine)
+        if not any(votes):
+            return
+        written = directory_bytes_or_zero(tmp)
+        if self.engine.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if errors and classify(errors[0], tmp) == WriteFault.OTHER:
+            raise errors[0]
+        faults = [fault for fault in WriteFault if votes[fault] and fault != WriteFault.OTHER]
+        if not faults:
+            raise SharedUserError(f"checkpoint {final} not written: another rank failed writing it (its error above)")
+        reason = errors[0] if errors else None
+        message = self.explain(faults[0], final, written, reason)
+        if self.engine.info.is_main:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        # The others exit only once it is said: the launcher stops every rank as soon as the first one ends.
+        barrier(self.engine.info)
+        raise SharedUserError(message, said=True)
+
+    def explain(self, fault: WriteFault, final: Path, written: int, reason: BaseException | None = None) -> str:
+        checkpoints = self.checkpoints_dir
+        previous = [path for _, path in step_checkpoints(checkpoints) if path != final]
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        head = f"checkpoint {final} not written"
+        if fault == WriteFault.NOT_WRITABLE:
+            why = f" ({_first_line(reason)})" if reason is not None else ""
+            return (
+                f"{head}: {checkpoints} is not writable{why}; {kept}. Make it writable again (or move the work "
+                "dir), then continue with --resume auto"
+            )
+        if previous:
+            size = f"about {size_text(directory_bytes(previous[-1]))} (the size of {previous[-1].name})"
+        else:
+            size = f"at least {size_text(written)} (this much was written before the write failed)"
+        if fault == WriteFault.FILE_TOO_LARGE:
+            limit = file_size_limit()
+            shown = f"{limit:,} bytes" if limit is not None else "set on another rank"
+            return (
+                f"{head}: a file reached the process's file-size limit ({shown}, `ulimit -f`; a checkpoint of this "
+                f"run takes {size}); {kept}. Raise the limit (`ulimit -f unlimited`), then continue with "
+                "--resume auto"
+            )
+        free = size_text(shutil.disk_usage(_existing(checkpoints)).free)
+        return (
+            f"{head}: no space left ({free} free on the disk of {checkpoints}; a checkpoint of this run "
+            f"takes {size}); {kept}. Free space or lower checkpoint.keep_last, then continue with --resume auto"
+        )
+
+
+def size_text(size: int) -> str:
+    """Bytes in the largest binary unit that keeps them at or above 1 (`1.25 GiB`, `652.4 KiB`)."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def directory_bytes_or_zero(directory: Path) -> int:
+    try:
+        return directory_bytes(directory) if directory.exists() else 0
+    except OSError:
+        return 0
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    return ((str(exc).splitlines() or [type(exc).__name__])[0])[:200]
