@@ -109,3 +109,26 @@ def test_chat_and_export_of_a_damaged_checkpoint_or_to_an_unusable_out_say_so(tm
     weights.write_bytes(weights.read_bytes()[:1000])
     assert main(["export", str(step_4), "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {weights}: not readable (")
+
+
+def test_a_resume_on_training_data_that_changed_says_what_it_will_do(tmp_path, two_checkpoints, capsys):
+    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(10)])
+    capsys.readouterr()
+    train(tmp_path, "train.max_steps=6", resume=str(two_checkpoints / "step-4"))
+    out = capsys.readouterr().out
+    assert (
+        f"resume: the training data changed since {two_checkpoints / 'step-4'} was written (20 samples then, 10 now"
+    ) in out
+    assert "at epoch 1, step 2 of 3 in it" in out  # 10 samples in micro-batches of 2, accumulation 2: 3 steps
+
+
+def test_an_unchanged_resume_says_nothing_of_the_data_and_a_mangled_state_file_is_refused(
+    tmp_path, two_checkpoints, capsys
+):
+    capsys.readouterr()
+    train(tmp_path, "train.max_steps=5", resume=str(two_checkpoints / "step-4"))
+    assert "training data changed" not in capsys.readouterr().out
+    state = two_checkpoints / "step-2" / "training_state" / "state.json"
+    state.write_text('["not", "a", "record"]')
+    with pytest.raises(UserError, match=r"--resume .*step-2: .*state\.json is not readable"):
+        train(tmp_path, "train.max_steps=5", resume=str(two_checkpoints / "step-2"))

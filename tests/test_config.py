@@ -80,6 +80,17 @@ def test_every_mistake_gets_its_own_line(tmp_path):
     assert len(error_of(write(tmp_path, text)).splitlines()) == 2
 
 
+def test_a_mistake_in_an_inline_template_is_reported_on_the_template_alone(tmp_path):
+    """`data.template` takes a name or a section: a section with a wrong key is not also called a bad string."""
+    text = "model: {path: m}\ndata:\n  train_files: [t.jsonl]\n  template: {instruction: '{input}', colour: red}\n"
+    with pytest.raises(UserError) as info:
+        load_config(write(tmp_path, text))
+    assert str(info.value).splitlines() == [
+        f"{tmp_path / 'cfg.yaml'}:4: data.template.colour: unknown key; known keys: system, instruction, suffix, "
+        "suffix_as_eos, sep, stop_words"
+    ]
+
+
 def test_overrides_apply_and_parse_yaml_values(tmp_path):
     config = load_config(write(tmp_path, BASE), ["train.lr=1e-4", "data.max_length=512", "train.betas=[0.9, 0.95]"])
     assert config.train.lr == 1e-4

@@ -10,6 +10,7 @@ import resource
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +152,62 @@ def test_a_checkpoint_directory_unwritable_on_one_rank_stops_both_with_one_messa
     assert f"{checkpoints} is not writable ([Errno 13] Permission denied" not in message  # said on rank 1 only
     assert f"{checkpoints} is not writable" in message and "Make it writable again" in message
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
+
+
+def test_a_second_ctrl_c_during_the_stop_checkpoint_stops_every_process_at_once(tmp_path):
+    """The first Ctrl-C makes the ranks finish the step and save it (rank 0's save is made 30 s slow); the second
+    stops at once, as the first one's message promises: the ranks used to ignore it while saving for the stop,
+    and the launcher waited for them. Nothing half-written is committed."""
+    write_job(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(CONFIG.replace("every_steps: 2", "every_steps: 0").replace("8,", "400,"))
+    run = tmp_path / "run"
+    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(run)]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": "slow_stop_save:0:0:30"}
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    live = run / "diagnostics" / "live"
+
+    def beats() -> list[dict]:
+        with contextlib.suppress(OSError, ValueError):
+            return [json.loads(p.read_text()) for p in sorted(live.glob("rank-*.json"))]
+        return []
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (len(b := beats()) == 2 and all(x["step"] >= 3 for x in b)):
+        time.sleep(0.1)
+    job.send_signal(signal.SIGINT)
+    while time.monotonic() < deadline and not any(x["phase"] == "save" and x["rank"] == 0 for x in beats()):
+        time.sleep(0.1)
+    pids = [x["pid"] for x in beats()]
+    time.sleep(3)  # past the window in which a signal counts as the first one delivered twice
+    second = time.monotonic()
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=60)
+    assert time.monotonic() - second < 15, err[-3000:]
+    while any(alive(pid) for pid in pids) and time.monotonic() - second < 20:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids), err[-3000:]
+    assert "a second time, while saving for the stop: stopping at once" in err
+    assert not (run / "checkpoints").exists() or not [p for p in (run / "checkpoints").iterdir() if p.name[0] != "."]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_metrics_write_on_a_full_disk_warns_once_and_training_goes_on(capsys):
+    from tuneforge.train.metrics import MetricsLog
+
+    log = MetricsLog(Path("/dev/full"))  # every write fails with ENOSPC
+    for step in (1, 2):
+        log.write({"step": step, "loss": 1.0})
+    log.close()
+    err = capsys.readouterr().err
+    assert err.count("warning: /dev/full: step 1 not written (No space left on device)") == 1
+    assert "step 2" not in err
+
+
+def test_a_resume_drops_a_metrics_line_cut_off_by_a_crash(tmp_path):
+    from tuneforge.train.run import truncate_log
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo\n{"step": 4}\n')
+    assert truncate_log(path, 2) == 1
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'

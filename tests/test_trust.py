@@ -181,3 +181,25 @@ def test_a_full_checkpoint_with_custom_code_needs_the_flag(tmp_path, tokenizer):
     )
     assert result.returncode == 2 and "If you trust them, pass --trust-remote-code" in result.stderr, result.stderr
     assert "(it was trained with" not in result.stderr and not marker.exists()
+
+
+def test_a_checkpoint_in_pytorch_format_loads_when_it_holds_data_and_is_refused_when_it_would_run_code(
+    tmp_path, tokenizer
+):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tuneforge.model.trained import load_trained
+
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    )
+    model.config.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    loaded = load_trained(tmp_path).model
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+    torch.save({**model.state_dict(), "x": RunsACommand(tmp_path / "ran")}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(UserError, match=r"pytorch_model\.bin:.*data\.pkl would import (posix|os)\.system when"):
+        load_trained(tmp_path)
+    assert not (tmp_path / "ran").exists()

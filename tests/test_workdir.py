@@ -110,3 +110,28 @@ def test_diagnose_says_a_finished_run_did_not_hang(config, tmp_path):
         "tuneforge diagnosis: no hang: the run finished all 3 steps; no final checkpoint was saved; the newest step "
         f"checkpoint is {newest}"
     )
+
+
+def test_a_group_shared_run_gets_checkpoints_the_group_can_read_and_hints_that_paste(tmp_path, capsys):
+    """umask 002 (a group-shared project directory) and a work dir with spaces: every file of a checkpoint is
+    group-readable (safetensors alone writes 0600), and the closing hints run as printed."""
+    import os
+    import shlex
+
+    from tuneforge.cli import main
+
+    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i}") for i in range(8)])
+    (tmp_path / "cfg.yaml").write_text(CONFIG.replace("save_final: false", "save_final: true"))
+    work_dir = tmp_path / "team runs" / "first try"
+    previous = os.umask(0o002)
+    try:
+        assert main(["train", str(tmp_path / "cfg.yaml"), "--work-dir", str(work_dir)]) == 0
+    finally:
+        os.umask(previous)
+    final = work_dir / "checkpoints" / "final"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in final.rglob("*")}
+    assert modes["model.safetensors"] == 0o664 and set(modes.values()) == {0o664}, modes
+    assert final.stat().st_mode & 0o777 == 0o775
+    out = capsys.readouterr().out
+    chat_line = next(line for line in out.splitlines() if line.startswith("chat with it:"))
+    assert shlex.split(chat_line.split(":", 1)[1]) == ["tuneforge", "chat", str(final)]

@@ -75,6 +75,35 @@ def test_the_original_report_text_gets_a_located_error(tmp_path):
         import_config(path)
 
 
+def test_an_unreadable_field_of_the_model_is_named_with_its_line(tmp_path):
+    text = SEED.read_text()
+    field = "pretrained_model_name_or_path=pretrained_model_name_or_path"
+    start = text.index(field, text.index("model = dict("))
+    line = text[:start].count("\n") + 1
+    text = text[:start] + "pretrained_model_name_or_path=pick(1)" + text[start + len(field) :]
+    path = tmp_path / "cfg.py"
+    path.write_text(text)
+    with pytest.raises(UserError) as info:
+        import_config(path)
+    assert f"(field llm.pretrained_model_name_or_path (line {line}): positional arguments in a call)" in str(info.value)
+    assert str(info.value).startswith(f"{path}:") and "no `model = dict(...)` found" not in str(info.value)
+
+
+def test_a_config_that_grows_a_number_without_bound_is_read_in_bounded_time(tmp_path):
+    """Squaring an integer 40 times would need 2**40 bits; each step past the bound is skipped and reported."""
+    import time
+
+    squares = "x = 3\n" + "x = x * x\n" * 40 + "s = 'ab'\n" + "s = s + s\n" * 30
+    path = tmp_path / "cfg.py"
+    path.write_text(SEED.read_text() + squares)
+    started = time.monotonic()
+    result = import_config(path)
+    assert time.monotonic() - started < 10
+    reasons = [why for _, what, why in result.unmapped if what == "statement"]
+    assert sum("a number of more than 4096 bits" in why for why in reasons) == 40 - 11  # 3**(2**11) > 2**4096
+    assert sum("a sequence too large to build" in why for why in reasons) == 30 - 18  # 2**20 > 10**6
+
+
 # An xtuner 0.1.x gallery-style Alpaca config: its system prompt and template are reached through xtuner's
 # own `SYSTEM_TEMPLATE` / `PROMPT_TEMPLATE`, and its sampler through a conditional, as in the gallery.
 ALPACA_CONFIG = """\

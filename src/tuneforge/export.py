@@ -26,7 +26,7 @@ from tuneforge.model.trained import (
     is_adapter,
     load_trained,
 )
-from tuneforge.train.checkpoint import CHAT_META, read_chat_meta
+from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, share_as_umask_allows
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -62,6 +62,7 @@ def _prepare_out(out: Path) -> Path:
 
 
 def _finish(tmp: Path, out: Path) -> None:
+    share_as_umask_allows(tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)

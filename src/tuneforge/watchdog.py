@@ -304,11 +304,16 @@ class StallWatchdog:
         if not ready:
             return
         for number in os.read(self._signal_read, 64):
-            if number not in STOP_SIGNALS or self.stop_agreed:
-                # After the agreement a peer that finished first exits, and torchrun then signals the others:
-                # they are saving and stopping already (the scheduler's kill bounds it).
+            if number not in STOP_SIGNALS:
                 continue
             received = signal.Signals(number)
+            if self.stop_agreed:
+                # After the agreement a peer that finished first exits, and torchrun then signals the others:
+                # they are stopping already. With every peer still at work it is the user's second request.
+                repeated = time.monotonic() - self.stop_requested_at < SAME_STOP_S
+                if not repeated and not self._a_peer_is_gone():
+                    self._terminate(received, "a second time, while saving for the stop: stopping at once")
+                continue
             if not self.graceful:
                 self._terminate(
                     received, "the launcher stops every rank when one fails" if number == signal.SIGTERM else ""

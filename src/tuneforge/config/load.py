@@ -105,9 +105,27 @@ def _describe(error: dict[str, Any]) -> str:
     return message
 
 
+SCALAR_BRANCHES = ("str", "int", "float", "bool")
+"""pydantic's names for the scalar branches of a union (`str | TemplateConfig`)."""
+
+
+def _wrong_branch(error: dict, errors: list[dict]) -> bool:
+    """A scalar branch's type error for a mapping given where the union also takes a section: the user meant
+    the section, whose own errors say what is wrong with it."""
+    loc = tuple(error["loc"])
+    if not (loc and loc[-1] in SCALAR_BRANCHES and error["type"].endswith("_type")):
+        return False
+    if not isinstance(error.get("input"), dict):
+        return False
+    return any(tuple(other["loc"])[: len(loc) - 1] == loc[:-1] and other is not error for other in errors)
+
+
 def _format_errors(exc: ValidationError, path: Path, root: yaml.Node | None, overridden: dict[str, str]) -> str:
     lines = []
-    for error in exc.errors():
+    errors = exc.errors()
+    for error in errors:
+        if _wrong_branch(error, errors):
+            continue
         # pydantic reports tuple items with int indices; union branches add class names.
         loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p[:1].isupper()))
         dotted = ".".join(str(p) for p in loc) or "<top level>"

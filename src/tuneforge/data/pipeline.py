@@ -194,19 +194,20 @@ def _set_aside(directory: Path, why: str) -> None:
 
 def _load_intact(directory: Path, files: list[str], timeout_s: float, rank: int) -> Split:
     """Another rank's view of the cache rank 0 writes: wait while it is missing or being rebuilt."""
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
     while True:
-        _wait_for(directory, max(deadline - time.monotonic(), 0), rank)
+        _wait_for(directory, timeout_s, rank, started)
         try:
             return _load(directory, files)
         except DamagedCache:
-            if time.monotonic() > deadline:
+            if time.monotonic() - started > timeout_s:
                 raise
             time.sleep(0.5)  # rank 0 sets it aside and writes it again
 
 
-def _wait_for(directory: Path, timeout_s: float, rank: int) -> None:
-    start = last_note = time.monotonic()
+def _wait_for(directory: Path, timeout_s: float, rank: int, start: float | None = None) -> None:
+    start = time.monotonic() if start is None else start
+    last_note = time.monotonic()
     while not directory.exists():
         now = time.monotonic()
         if now - start > timeout_s:

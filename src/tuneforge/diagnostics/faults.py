@@ -14,6 +14,8 @@ diagnosis can be checked end to end through the real launcher:
   preemption, a Ctrl-C);
 - `kill_in_save`: the same, in the middle of writing that step's checkpoint;
 - `disk_full_in_save`: writing that step's checkpoint fails as on a full disk (ENOSPC);
+- `slow_stop_save`: the checkpoint saved after the ranks agreed to stop on a signal takes `seconds` longer on
+  that rank (step ignored);
 - `unwritable_in_save`: writing that step's checkpoint fails as in a directory made read-only (EACCES);
 - `nan_loss`: the rank's loss of that step is NaN (a bad sample, an overflow).
 
@@ -51,6 +53,7 @@ KINDS = (
     "kill_in_save",
     "disk_full_in_save",
     "unwritable_in_save",
+    "slow_stop_save",
     "nan_loss",
 )
 
@@ -172,6 +175,10 @@ class FaultyEngine(Engine):
         return norm
 
     def save_state(self, directory: Path) -> None:
+        injector = self.injector
+        mine = injector.fault.kind == "slow_stop_save" and injector.fault.rank == injector.rank
+        if mine and injector.watchdog.stop_agreed:
+            time.sleep(injector.fault.seconds)
         self.inner.save_state(directory)
         if self.injector.due("kill_in_save"):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -8,6 +8,7 @@ the result computes what the training model computed.
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from tuneforge.model.quantized_experts import (
     quantizable_experts,
     quantize_stacked_experts,
 )
+from tuneforge.pickle_guard import refuse_unsafe_pickles
 from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -59,6 +61,9 @@ def check_checkpoint(checkpoint: Path) -> None:
     if problems := checkpoint_problems(checkpoint):
         raise UserError(f"{checkpoint}: damaged since it was written: {'; '.join(problems)}")
     weights = _weight_files(checkpoint)
+    if weights == []:  # PyTorch's pickle format: loaded by transformers with weights_only, scanned first to say why
+        bins = sorted(checkpoint.glob("pytorch_model*.bin"))
+        refuse_unsafe_pickles([b for b in bins if zipfile.is_zipfile(b)], lambda _: False, str(checkpoint))
     if weights is None:
         expected = ADAPTER_WEIGHTS if is_adapter(checkpoint) else "model.safetensors"
         raise UserError(f"{checkpoint}: no {expected} here: the checkpoint is incomplete; take another one")

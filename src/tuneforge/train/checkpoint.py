@@ -56,9 +56,34 @@ MANIFEST = "manifest.json"
 partly copied since (sizes, not checksums: reading back hundreds of GB at every resume costs too much)."""
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it (Linux names it in /proc; elsewhere set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_as_umask_allows(directory: Path) -> None:
+    """Give every file and directory under `directory` the modes the umask allows: some writers (safetensors)
+    create files readable by their owner only, which hides a group-shared run's weights from the group."""
+    mask = current_umask()
+    directory.chmod(0o777 & ~mask)
+    for path in directory.rglob("*"):
+        if path.is_dir():
+            path.chmod(0o777 & ~mask)
+        elif path.is_file():
+            path.chmod((0o777 if path.stat().st_mode & 0o100 else 0o666) & ~mask)
+
+
 def commit_checkpoint(tmp: Path, directory: Path) -> Path:
-    """Flush every file, list it in the manifest, then rename: a crash at any point leaves either the old
-    checkpoint or the new one."""
+    """Flush every file, list it in the manifest, give it the umask's modes, then rename: a crash at any point
+    leaves either the old checkpoint or the new one."""
     sizes = {}
     for file in sorted(tmp.rglob("*")):
         if file.is_file():
@@ -66,6 +91,7 @@ def commit_checkpoint(tmp: Path, directory: Path) -> Path:
                 os.fsync(handle.fileno())
             sizes[file.relative_to(tmp).as_posix()] = file.stat().st_size
     (tmp / MANIFEST).write_text(json.dumps({"files": sizes}, indent=1))
+    share_as_umask_allows(tmp)
     if directory.exists():
         old = directory.parent / f".old-{directory.name}"
         shutil.rmtree(old, ignore_errors=True)

@@ -430,10 +430,15 @@ class Trainer:
         )
         if not self.is_main:
             return
-        with (self.work_dir / "samples.jsonl").open("a", encoding="utf-8") as handle:
-            for prompt, reply in zip(evaluation.sample_prompts, replies, strict=True):
-                self.progress.log(f"[sample @ step {step}] {prompt!r} -> {reply!r}")
-                handle.write(json.dumps({"step": step, "prompt": prompt, "reply": reply}, ensure_ascii=False) + "\n")
+        lines = []
+        for prompt, reply in zip(evaluation.sample_prompts, replies, strict=True):
+            self.progress.log(f"[sample @ step {step}] {prompt!r} -> {reply!r}")
+            lines.append(json.dumps({"step": step, "prompt": prompt, "reply": reply}, ensure_ascii=False) + "\n")
+        try:
+            with (self.work_dir / "samples.jsonl").open("a", encoding="utf-8") as handle:
+                handle.write("".join(lines))
+        except OSError as exc:  # a full disk ends the run at the next checkpoint, not here
+            self.progress.log(f"warning: samples.jsonl: step {step}'s samples not written ({exc.strerror})")
 
     def save(self, name: str, step: int, epoch: int | None, with_state: bool) -> None:
         """`checkpoints/NAME` from every rank, with the training state for an exact resume when `with_state`."""
@@ -451,5 +456,6 @@ class Trainer:
                 self.best_val_loss if self.best_val_loss < float("inf") else None,
                 self.parts.run_id or None,
                 self.parts.layout.size,
+                self.parts.planner.data.signature(),
             )
         self.writer.save(name, {**self.chat_meta, "step": step}, point)

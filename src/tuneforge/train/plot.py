@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,6 +114,7 @@ def plot_at_end(work_dir: Path) -> str | None:
         path = plot_metrics(work_dir)
     except Exception as exc:
         reason = (str(exc).splitlines() or [""])[0]
-        _warn(f"plot not written ({type(exc).__name__}: {reason}); retry with: tuneforge plot {work_dir}")
+        retry = f"tuneforge plot {shlex.quote(str(work_dir))}"
+        _warn(f"plot not written ({type(exc).__name__}: {reason}); retry with: {retry}")
         return None
-    return f"plot: {path} (redraw: tuneforge plot {work_dir})"
+    return f"plot: {path} (redraw: tuneforge plot {shlex.quote(str(work_dir))})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import shutil
 import warnings
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.train.checkpoint import step_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.inputs import check_inputs, checkpoint_bytes, disk_room_problems
-from tuneforge.train.loop import Trainer, step_groups
+from tuneforge.train.loop import Trainer, step_groups, steps_per_epoch
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
@@ -47,6 +48,7 @@ from tuneforge.train.state import (
     check_compatible,
     check_same_expert_storage,
     check_same_quantization,
+    data_changed_note,
     find_resume,
     load_rng,
     read_state,
@@ -197,18 +199,30 @@ def resume_from(
         raise UserError(f"--resume {checkpoint}: its training state cannot be read ({reason}){fallback}") from None
     if info.is_main:
         for log in ("metrics.jsonl", "samples.jsonl"):
-            truncate_log(work_dir / log, point.step)
+            if dropped := truncate_log(work_dir / log, point.step):
+                print(f"resume: {dropped} unreadable line(s) of {work_dir / log} dropped (cut off by a crash)")
     barrier(info)
     load_rng(checkpoint / TRAINING_STATE, info.rank)  # last: building the model and engine drew random numbers
     return point
 
 
-def truncate_log(path: Path, step: int) -> None:
-    """Keep the records of steps up to `step`: the resumed run writes the rest again."""
+def truncate_log(path: Path, step: int) -> int:
+    """Keep the records of steps up to `step`: the resumed run writes the rest again. Lines that are not a
+    record (cut off by a crash or a full disk) are dropped; returns how many."""
     if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            dropped += bool(line.strip())
+        elif record.get("step", 0) <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    return dropped
 
 
 def setup(
@@ -405,6 +419,9 @@ def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | 
             f"resumed from {resume_dir}: step {start.step} of {trainer.total_steps}, epoch {start.epoch}, "
             f"{start.samples_consumed} samples consumed"
         )
+        per_epoch = steps_per_epoch(len(parts.planner), cfg.train.gradient_accumulation)
+        if note := data_changed_note(start, resume_dir, parts.planner.data.signature(), per_epoch):
+            say(note)
     # On CPU the steps' large activations are reused from the heap rather than mapped afresh each time.
     with freed_host_memory_kept(info.device.type == "cpu") as kept:
         if kept:
@@ -478,8 +495,9 @@ def closing_summary(history: list[dict], work_dir: Path, cfg: Config) -> list[st
     final = checkpoints / "final"
     if cfg.checkpoint.save_final:
         lines.append(f"checkpoints: {checkpoints} (final model: {final})")
-        lines.append(f"chat with it:  tuneforge chat {final}")
+        lines.append(f"chat with it:  tuneforge chat {shlex.quote(str(final))}")
         merge = " --merge" if cfg.model.lora is not None else ""
-        lines.append(f"export it:     tuneforge export {final} --out {work_dir / 'export'}{merge}")
+        out = shlex.quote(str(work_dir / "export"))
+        lines.append(f"export it:     tuneforge export {shlex.quote(str(final))} --out {out}{merge}")
     lines.append(f"metrics: {work_dir / 'metrics.jsonl'}")
     return lines

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,8 @@ class ResumePoint:
     """The run that wrote it (None: written before runs were recorded)."""
     sequence_parallel: int = 1
     """Ranks per sample: the data-parallel size, and so the data plan, is world_size / sequence_parallel."""
+    train_data: str | None = None
+    """`TokenizedData.signature()` of the training split it was written with (None: written before it was)."""
 
 
 RNG_FILE = "rng-rank-{rank}.safetensors"
@@ -127,7 +129,29 @@ def read_state(checkpoint: Path) -> ResumePoint:
             f"--resume {checkpoint}: no {TRAINING_STATE}/{STATE_FILE}; only checkpoints/step-N directories written "
             "by tuneforge train can be resumed"
         )
-    return ResumePoint(**json.loads(path.read_text()))
+    try:
+        recorded = json.loads(path.read_text())
+        known = {f.name for f in fields(ResumePoint)}
+        return ResumePoint(**{key: value for key, value in recorded.items() if key in known})
+    except (OSError, ValueError, TypeError, AttributeError) as exc:  # cut short, edited, or not ours
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"--resume {checkpoint}: {path} is not readable ({reason}); take another checkpoint") from None
+
+
+def data_changed_note(point: ResumePoint, checkpoint: Path, now: str, steps_per_epoch: int) -> str | None:
+    """What a resume does when the training data is not what the checkpoint was trained on (`now`: the
+    signature of this run's split), or None when it is the same or unknown."""
+    if point.train_data is None or point.train_data == now:
+        return None
+    then_count, now_count = point.train_data.split(":")[0], now.split(":")[0]
+    epoch, into = divmod(point.step, steps_per_epoch)
+    return (
+        f"resume: the training data changed since {checkpoint} was written ({int(then_count):,} samples then, "
+        f"{int(now_count):,} now, or their lengths differ): the run continues after step {point.step} by the new "
+        f"data's plan, at epoch {epoch}, step {into + 1} of {steps_per_epoch} in it, so samples of the new data may "
+        "be skipped or seen twice this epoch. To train on the new data from its start, begin a new run from "
+        "this checkpoint's weights instead"
+    )
 
 
 def find_resume(

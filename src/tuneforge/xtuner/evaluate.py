@@ -51,13 +51,22 @@ class Module:
 
 
 class Unknown(Exception):
-    """An expression outside the readable subset."""
+    """An expression outside the readable subset; `field` and `line` say where inside a `dict(...)` it was."""
+
+    def __init__(self, why: str, field: str = "", line: int | None = None):
+        self.why, self.field, self.line = why, field, line
+        where = f"field {field} (line {line}): " if field else ""
+        super().__init__(where + why)
 
 
 READ_ERRORS = (Unknown, TypeError, ValueError, ArithmeticError, RecursionError)
 """What reading one expression may raise: that statement is then skipped and reported, never the whole file."""
 REPEAT_LIMIT = 1_000_000
-"""`'x' * n` or `[a] * n` past this many items is refused rather than built (a config has no use for it)."""
+"""`'x' * n`, `[a] * n` or a sum of sequences past this many items is refused rather than built (a config has
+no use for it)."""
+INT_BITS_LIMIT = 4096
+"""An integer result beyond this many bits is refused rather than computed: squaring a number 40 times takes
+the reader's whole memory, and no config needs such a number."""
 
 
 BINARY = {
@@ -81,6 +90,20 @@ COMPARE = {
 }
 PLAIN = (str, int, float, bool, type(None), list, tuple, dict)
 """Values a condition may compare: a symbol's truth or identity is only known when the code runs."""
+
+
+def _refuse_huge(op: ast.operator, left: Any, right: Any) -> None:
+    """Results too large to be a setting, refused before they are built."""
+    integers = isinstance(left, int) and isinstance(right, int)
+    if (
+        integers
+        and isinstance(op, ast.Mult | ast.Add | ast.Sub)
+        and left.bit_length() + right.bit_length() > INT_BITS_LIMIT
+    ):
+        raise Unknown(f"a number of more than {INT_BITS_LIMIT} bits")
+    sequences = isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple)
+    if sequences and isinstance(op, ast.Add) and len(left) + len(right) > REPEAT_LIMIT:
+        raise Unknown("a sequence too large to build")
 
 
 class Reader:
@@ -118,6 +141,7 @@ class Reader:
                 for a, b in ((left, right), (right, left))
             ):
                 raise Unknown("a repetition too large to build")
+            _refuse_huge(node.op, left, right)
             return BINARY[type(node.op)](left, right)
         if isinstance(node, ast.IfExp):  # `A if cond else B`: gallery configs choose their sampler so
             return self.value(node.body if self.condition(node.test) else node.orelse)
@@ -146,12 +170,19 @@ class Reader:
             if any(kw.arg is None for kw in node.keywords):
                 raise Unknown("**kwargs in a call")
             function = self.value(node.func)
-            fields = {kw.arg: self.value(kw.value) for kw in node.keywords}
+            fields = {kw.arg: self._field(kw) for kw in node.keywords}
             lines = {kw.arg: kw.value.lineno for kw in node.keywords}
             if isinstance(function, Symbol) and function.path == "dict":
                 return Call(fields.pop("type", None), fields, lines, node.lineno)
             return Call(function, fields, lines, node.lineno)
         raise Unknown(type(node).__name__)
+
+    def _field(self, keyword: ast.keyword) -> Any:
+        try:
+            return self.value(keyword.value)
+        except Unknown as exc:  # named by its path inside the dict, the innermost line kept
+            inner = f"{keyword.arg}.{exc.field}" if exc.field else keyword.arg
+            raise Unknown(exc.why, inner, exc.line or keyword.value.lineno) from None
 
     def condition(self, node: ast.expr) -> bool:
         return bool(self.plain(node))

@@ -279,6 +279,10 @@ class Mapper:
         values = self.module.values
         model = values.get("model")
         if not isinstance(model, Call):
+            unread = [(line, why) for line, why in self.module.skipped if why.startswith("`model = ...`")]
+            if unread:
+                line, why = unread[-1]
+                raise UserError(f"{self.path}:{line}: {why}; write that field as a literal value")
             raise UserError(f"{self.path}: no `model = dict(...)` found; is this an xtuner config?")
         if values.get("framework") == "huggingface":  # xtuner's other config kind: HF Trainer arguments
             raise UserError(
