@@ -205,3 +205,29 @@ def test_collectives_in_backward_name_the_module_whose_backward_runs(tmp_path):
     issued = [(r["op"], r["module"]) for r in recorder.snapshot()]
     # Forward runs block 0 then 1; backward runs block 1 then 0.
     assert issued == [("barrier", "0"), ("barrier", "1"), ("all_reduce", "1"), ("all_reduce", "0")], issued
+
+
+def test_a_frozen_rank_is_named_and_the_job_ends_with_the_stall_status_at_once(tmp_path):
+    """SIGSTOP on rank 1 (what Ctrl-Z, a debugger or a swapping machine does): rank 0 waits in a collective until
+    the 4 s limit; the report names the frozen rank as the cause, the frozen worker is ended (the launcher would
+    wait 30 s on it), and the job exits with the stall status 3."""
+    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
+    (tmp_path / "cfg.yaml").write_text(CONFIG.format(engine="ddp").replace("max_steps: 4", "max_steps: 100000"))
+    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / "run")]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    heartbeat = tmp_path / "run" / "diagnostics" / "live" / "rank-1.json"
+    wait_for_heartbeat(heartbeat, lambda beat: beat["step"] >= 3)
+    pid = json.loads(heartbeat.read_text())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        _, err = job.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    report = (tmp_path / "run" / "diagnostics" / "report.txt").read_text()
+    assert job.returncode == 3, err[-3000:]
+    assert report.startswith("tuneforge diagnosis: HANG (frozen)"), report
+    assert "frozen: rank(s) 1" in report and f"rank 1 (process {pid}) was not running: killed" in report
+    assert time.monotonic() - stopped < 25, err[-3000:]

@@ -211,3 +211,28 @@ def test_a_resume_drops_a_metrics_line_cut_off_by_a_crash(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo\n{"step": 4}\n')
     assert truncate_log(path, 2) == 1
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_write_faults_are_read_from_the_errors_writers_wrap_them_in(tmp_path):
+    import errno
+
+    from tuneforge.train.write_faults import WriteFault, classify
+
+    safetensors = RuntimeError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+    )
+    wrapped = RuntimeError("checkpoint write failed")
+    wrapped.__cause__ = OSError(errno.EFBIG, "File too large")
+    cases = {
+        OSError(errno.ENOSPC, "No space left on device"): WriteFault.NO_SPACE,
+        OSError(errno.EDQUOT, "Disk quota exceeded"): WriteFault.NO_SPACE,
+        safetensors: WriteFault.NO_SPACE,
+        wrapped: WriteFault.FILE_TOO_LARGE,
+        PermissionError(errno.EACCES, "Permission denied"): WriteFault.NOT_WRITABLE,
+        OSError(errno.EROFS, "Read-only file system"): WriteFault.NOT_WRITABLE,
+        # No errno anywhere, and a write into the directory works: not a fault of the disk.
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 300416 vs 300368"): WriteFault.OTHER,
+        KeyError("a bug"): WriteFault.OTHER,
+    }
+    for exc, fault in cases.items():
+        assert classify(exc, tmp_path) == fault, exc
