@@ -45,31 +45,46 @@ def alive(pid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def start_two_ranks(directory, fault: str, **popen) -> subprocess.Popen:
+    """`tuneforge train` of the job in `directory` on 2 ranks in the background, with `fault` injected."""
+    command = [TUNEFORGE, "train", str(directory / "cfg.yaml"), "--work-dir", str(directory / "run")]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": fault}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
+
+
+def heartbeats(run) -> list[dict]:
+    """The ranks' live heartbeats ([] while one is missing or being replaced)."""
+    with contextlib.suppress(OSError, ValueError):
+        return [json.loads(p.read_text()) for p in sorted((run / "diagnostics" / "live").glob("rank-*.json"))]
+    return []
+
+
+def wait_until(ready, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.1)
+
+
+def all_gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(pid) for pid in pids)
+
+
 def test_workers_end_with_a_launcher_killed_with_its_process_group_and_a_resume_right_after_works(tmp_path):
     write_job(tmp_path)
     run = tmp_path / "run"
-    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(run)]
-    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
     # Rank 1 is slowed after step 3 (when step-2 is committed), so the kill lands mid-run.
-    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": "sleep_data:1:4:60"}
-    job = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    live = run / "diagnostics" / "live"
-    deadline = time.monotonic() + 120
-    pids: list[int] = []
-    while time.monotonic() < deadline and len(pids) < 2:
-        beats = [json.loads(p.read_text()) for p in sorted(live.glob("rank-*.json")) if p.stat().st_size]
-        if len(beats) == 2 and all(b["step"] >= 4 for b in beats) and (run / "checkpoints" / "step-2").exists():
-            pids = [b["pid"] for b in beats]
-        time.sleep(0.2)
-    assert pids, job.communicate(timeout=30)
+    job = start_two_ranks(tmp_path, "sleep_data:1:4:60", start_new_session=True)
+    step_2 = run / "checkpoints" / "step-2"
+    wait_until(lambda: len(b := heartbeats(run)) == 2 and all(x["step"] >= 4 for x in b) and step_2.exists())
+    pids = [beat["pid"] for beat in heartbeats(run)]
     os.killpg(job.pid, signal.SIGKILL)  # what the OOM killer or `kill -9 -- -PGID` does
     job.communicate(timeout=30)
-    killed_at = time.monotonic()
-    while any(alive(pid) for pid in pids) and time.monotonic() - killed_at < 10:
-        time.sleep(0.1)
-    assert not any(alive(pid) for pid in pids), "workers outlived their launcher"
+    assert all_gone(pids, within_s=10), "workers outlived their launcher"
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")) == ["step-2"]
 
     resumed = launch(tmp_path / "cfg.yaml", run, "--resume", "auto", ranks=2)
@@ -130,13 +145,13 @@ def test_a_file_size_limit_at_the_first_checkpoint_stops_every_rank_with_the_lim
     written. Nothing is left in checkpoints/, and the message names the limit."""
     write_job(tmp_path)
     run = tmp_path / "run"
-    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(run)]
-    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
 
     def limit_file_size() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (300 * 1024, 300 * 1024))
 
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    job = start_two_ranks(tmp_path, "", preexec_fn=limit_file_size)
+    out, err = job.communicate(timeout=300)
+    result = subprocess.CompletedProcess(job.args, job.returncode, out, err)
     message = assert_stopped_with_one_message(
         result, f"checkpoint {run / 'checkpoints' / 'step-2'} not written: a file reached the process's file-size "
     )
@@ -161,32 +176,17 @@ def test_a_second_ctrl_c_during_the_stop_checkpoint_stops_every_process_at_once(
     write_job(tmp_path)
     (tmp_path / "cfg.yaml").write_text(CONFIG.replace("every_steps: 2", "every_steps: 0").replace("8,", "400,"))
     run = tmp_path / "run"
-    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(run)]
-    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
-    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": "slow_stop_save:0:0:30"}
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    live = run / "diagnostics" / "live"
-
-    def beats() -> list[dict]:
-        with contextlib.suppress(OSError, ValueError):
-            return [json.loads(p.read_text()) for p in sorted(live.glob("rank-*.json"))]
-        return []
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (len(b := beats()) == 2 and all(x["step"] >= 3 for x in b)):
-        time.sleep(0.1)
+    job = start_two_ranks(tmp_path, "slow_stop_save:0:0:30")
+    wait_until(lambda: len(b := heartbeats(run)) == 2 and all(x["step"] >= 3 for x in b))
     job.send_signal(signal.SIGINT)
-    while time.monotonic() < deadline and not any(x["phase"] == "save" and x["rank"] == 0 for x in beats()):
-        time.sleep(0.1)
-    pids = [x["pid"] for x in beats()]
+    wait_until(lambda: any(x["phase"] == "save" and x["rank"] == 0 for x in heartbeats(run)))
+    pids = [beat["pid"] for beat in heartbeats(run)]
     time.sleep(3)  # past the window in which a signal counts as the first one delivered twice
     second = time.monotonic()
     job.send_signal(signal.SIGINT)
     _, err = job.communicate(timeout=60)
     assert time.monotonic() - second < 15, err[-3000:]
-    while any(alive(pid) for pid in pids) and time.monotonic() - second < 20:
-        time.sleep(0.1)
-    assert not any(alive(pid) for pid in pids), err[-3000:]
+    assert all_gone(pids, within_s=5), err[-3000:]
     assert "a second time, while saving for the stop: stopping at once" in err
     assert not (run / "checkpoints").exists() or not [p for p in (run / "checkpoints").iterdir() if p.name[0] != "."]
 
