@@ -91,6 +91,13 @@ def test_a_mistake_in_an_inline_template_is_reported_on_the_template_alone(tmp_p
     ]
 
 
+def test_a_data_file_in_a_symlink_loop_is_named(tmp_path):
+    (tmp_path / "a.jsonl").symlink_to(tmp_path / "b.jsonl")
+    (tmp_path / "b.jsonl").symlink_to(tmp_path / "a.jsonl")
+    with pytest.raises(UserError, match=r"^data.train_files: .*a.jsonl cannot be resolved"):
+        load_config(write(tmp_path, "model: {path: m}\ndata: {train_files: [a.jsonl]}\n"))
+
+
 def test_overrides_apply_and_parse_yaml_values(tmp_path):
     config = load_config(write(tmp_path, BASE), ["train.lr=1e-4", "data.max_length=512", "train.betas=[0.9, 0.95]"])
     assert config.train.lr == 1e-4

@@ -90,6 +90,15 @@ def test_malformed_json_stops_with_location_and_snippet_by_default(tmp_path, tok
     assert '{"messages": [oops]}' in message and "data.on_error=skip" in message
 
 
+def test_a_line_nested_too_deep_for_json_is_a_malformed_line_not_a_crash(tmp_path, tokenizer):
+    path = tmp_path / "deep.jsonl"
+    path.write_text(json.dumps(chat("a", "b")) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(UserError, match=r"deep.jsonl:2: not valid JSON \(nested deeper than Python's JSON reader"):
+        prepare(config(tmp_path, [path], cache_dir=None), tokenizer)
+    report = prepare(config(tmp_path, [path], cache_dir=None, on_error="skip"), tokenizer).train.report
+    assert (report.read, report.kept, report.drops.counts) == (2, 1, {"malformed JSON": 1})
+
+
 def test_unknown_format_names_the_record_and_the_fix(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "x.jsonl", [{"text": "hello"}])
     with pytest.raises(UserError, match=r"x.jsonl:1: cannot tell the data format .*keys: text.*data.format"):
@@ -278,3 +287,26 @@ def test_a_waiting_rank_gives_up_with_its_own_timeout(tmp_path, tokenizer):
         UserError, match=r"rank 1: rank 0 did not finish preprocessing .* within 0.5s \(data.preprocess_timeout_s\)"
     ):
         prepare_split("train", cfg, cfg.train_files, tokenizer, get_template(cfg.template), 1, 2)
+
+
+def test_data_commands_check_their_inputs_as_train_does(tmp_path, capsys):
+    """A missing data file, a tokenizer that is not there, a cache dir that is a file, a max_length beyond the
+    model's context: one line each, no traceback."""
+    from tuneforge.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "cfg.yaml").write_text(
+        "model: {architecture: llama, tokenizer: ./no-tokenizer, size: {max_position_embeddings: 64}}\n"
+        f"data: {{train_files: [missing.jsonl], cache_dir: {tmp_path / 'a-file'}, max_length: 128}}\n"
+    )
+    for command in ("check", "preview"):
+        assert main(["data", command, str(tmp_path / "cfg.yaml")]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[0] == f"error: data.train_files: {tmp_path / 'missing.jsonl'} not found (relative paths are " + (
+            "read from the config file's directory)"
+        )
+        assert err[1].startswith("model.tokenizer: ./no-tokenizer")
+        assert err[2] == f"data.cache_dir {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a directory; " + (
+            "choose another path"
+        )
+        assert err[3].startswith("data.max_length: 128 is beyond the model's context (64 positions")

@@ -142,16 +142,23 @@ def _format_errors(exc: ValidationError, path: Path, root: yaml.Node | None, ove
     return "\n".join(lines)
 
 
+def _resolved(key: str, path: Path) -> str:
+    try:
+        return str(path.resolve())
+    except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13), or unreadable
+        raise UserError(f"{key}: {path} cannot be resolved ({exc}); point it at the file itself") from None
+
+
 def _resolve_paths(config: Config, base: Path) -> Config:
     """Data paths are relative to the config file; model paths only when such a directory exists."""
-    config.data.train_files = [str((base / f).resolve()) for f in config.data.train_files]
-    config.data.validation_files = [str((base / f).resolve()) for f in config.data.validation_files]
+    config.data.train_files = [_resolved("data.train_files", base / f) for f in config.data.train_files]
+    config.data.validation_files = [_resolved("data.validation_files", base / f) for f in config.data.validation_files]
     if config.eval.exact_match is not None:
-        config.eval.exact_match.file = str((base / config.eval.exact_match.file).resolve())
+        config.eval.exact_match.file = _resolved("eval.exact_match.file", base / config.eval.exact_match.file)
     for field in ("path", "tokenizer"):
         value = getattr(config.model, field)
         if value and value != "bytes" and (base / value).exists():
-            setattr(config.model, field, str((base / value).resolve()))
+            setattr(config.model, field, _resolved(f"model.{field}", base / value))
     return config
 
 

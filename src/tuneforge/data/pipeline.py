@@ -142,11 +142,31 @@ def _relocate_split(split: Split, sources: list[str], targets: list[str]) -> Spl
     return Split(replace(split.data, origins=origins), report)
 
 
+CACHE_MANIFEST = "manifest.json"
+"""Each file of a cache entry with its size, written last: an entry cut short or changed since is rebuilt."""
+
+
+class DamagedCache(Exception):
+    pass
+
+
 def _save(split: Split, directory: Path, files: list[str]) -> None:
     """Into the cache with its data files as placeholders: a later run with the same contents elsewhere (or
     under other names) reports its own files, never ones that may be gone."""
     tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_entry(split, tmp, files)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays in the cache
+        raise
+    try:
+        tmp.rename(directory)
+    except OSError:  # another process finished the same cache first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_entry(split: Split, tmp: Path, files: list[str]) -> None:
     tmp.mkdir(parents=True)
     for field in ("input_ids", "labels", "offsets"):
         np.save(tmp / f"{field}.npy", getattr(split.data, field))
@@ -155,18 +175,6 @@ def _save(split: Split, directory: Path, files: list[str]) -> None:
     (tmp / "report.json").write_text(json.dumps(stored.report.to_json()))
     sizes = {file.name: file.stat().st_size for file in sorted(tmp.iterdir())}
     (tmp / CACHE_MANIFEST).write_text(json.dumps(sizes))
-    try:
-        tmp.rename(directory)
-    except OSError:  # another process finished the same cache first; theirs is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-CACHE_MANIFEST = "manifest.json"
-"""Each file of a cache entry with its size, written last: an entry cut short or changed since is rebuilt."""
-
-
-class DamagedCache(Exception):
-    pass
 
 
 def _load(directory: Path, files: list[str]) -> Split:
@@ -247,8 +255,11 @@ def prepare_split(
         except DamagedCache as damaged:
             _set_aside(directory, f"{damaged}")
     split = build_split(name, cfg, files, tokenizer, template)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    _save(split, directory, files)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        _save(split, directory, files)
+    except OSError as exc:  # a full disk, or a cache dir that became unwritable: the data itself is fine
+        print(f"data cache: not written to {directory} ({exc.strerror or exc}); this run goes on without it")
     return split, False
 
 

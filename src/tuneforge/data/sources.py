@@ -17,6 +17,7 @@ from typing import Any
 from tuneforge.errors import UserError
 
 MALFORMED_JSON = "malformed JSON"
+NESTED_TOO_DEEP = "nested deeper than Python's JSON reader goes; no chat sample is"
 
 
 @dataclass(frozen=True)
@@ -57,14 +58,17 @@ def _read_jsonl(path: Path, on_error: str) -> Iterator[RawRecord]:
             if not line.strip():
                 continue
             try:
-                yield RawRecord(origin, json.loads(line))
-            except json.JSONDecodeError as exc:
-                message = f"not valid JSON ({exc.msg} at column {exc.colno}): {_snippet(line)}"
+                record = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as exc:
+                why = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else NESTED_TOO_DEEP
+                message = f"not valid JSON ({why}): {_snippet(line)}"
                 if on_error == "raise":
                     raise UserError(
                         f"{origin}: {message}; fix the line, or set data.on_error=skip to drop and count such lines"
                     ) from None
                 yield RawRecord(origin, None, message)
+                continue
+            yield RawRecord(origin, record)
 
 
 def _read_json(path: Path, on_error: str) -> Iterator[RawRecord]:
@@ -76,6 +80,8 @@ def _read_json(path: Path, on_error: str) -> Iterator[RawRecord]:
         raise UserError(f"{path}:{line}: {_not_utf8(exc)}; {NOT_UTF8_FIX}") from None
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise UserError(f"{path}: not readable as JSON ({NESTED_TOO_DEEP})") from None
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data":  # one object per line in a .json file: read it as JSONL
             yield from _read_jsonl(path, on_error)

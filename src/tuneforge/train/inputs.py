@@ -28,6 +28,7 @@ def check_inputs(cfg: Config, work_dir: Path) -> None:
         *_data_problems(cfg),
         *_model_problems(cfg.model),
         *writable_problems("--work-dir", work_dir),
+        *_cache_problems(cfg),
         *_context_problems(cfg),
     ]
     if problems:
@@ -40,7 +41,7 @@ def check_data_inputs(cfg: Config) -> None:
     model = cfg.model
     if model.tokenizer is not None:  # the weights are not read: only the tokenizer's files must be there
         model = model.model_copy(update={"path": None})
-    problems = [*_data_problems(cfg), *_model_problems(model), *_context_problems(cfg)]
+    problems = [*_data_problems(cfg), *_model_problems(model), *_cache_problems(cfg), *_context_problems(cfg)]
     if problems:
         raise UserError("\n".join(problems))
 
@@ -121,6 +122,12 @@ def writable_problems(what: str, directory: Path) -> list[str]:
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"{what} {directory}: {existing} is not writable by this user; choose a directory you can write"]
     return []
+
+
+def _cache_problems(cfg: Config) -> list[str]:
+    if cfg.data.cache_dir is None:
+        return []
+    return writable_problems("data.cache_dir", Path(cfg.data.cache_dir).expanduser())
 
 
 def _context_problems(cfg: Config) -> list[str]:
