@@ -4,6 +4,7 @@ previous checkpoint and says how much room one takes. One process, in this one."
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -132,3 +133,28 @@ def test_an_unchanged_resume_says_nothing_of_the_data_and_a_mangled_state_file_i
     state.write_text('["not", "a", "record"]')
     with pytest.raises(UserError, match=r"--resume .*step-2: .*state\.json is not readable"):
         train(tmp_path, "train.max_steps=5", resume=str(two_checkpoints / "step-2"))
+
+
+@pytest.mark.parametrize(
+    "state",
+    [{"step": "4"}, {"step": -2}, {"micro_batch_size": 0}, {"engine": 3}, {"best_val_loss": "low"}],
+    ids=["text-step", "negative-step", "zero-batch", "number-engine", "text-loss"],
+)
+def test_a_hand_edited_state_file_is_refused_with_the_field_named(tmp_path, two_checkpoints, state):
+    path = two_checkpoints / "step-4" / "training_state" / "state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **state}))
+    (field,) = state
+    with pytest.raises(UserError, match=rf"--resume .*step-4: .*state\.json is not readable \({field} is "):
+        train(tmp_path, "train.max_steps=6", resume=str(two_checkpoints / "step-4"))
+
+
+def test_a_manifest_naming_files_outside_its_checkpoint_is_never_followed(tmp_path, two_checkpoints):
+    manifest = two_checkpoints / "step-4" / "manifest.json"
+    outside = tmp_path / "secret.txt"
+    outside.write_text("1234567")
+    for files in ({"../../../secret.txt": 3}, {str(outside): 3}, {"model.safetensors": -1}):
+        manifest.write_text(json.dumps({"files": files}))
+        with pytest.raises(UserError) as info:
+            train(tmp_path, "train.max_steps=6", resume=str(two_checkpoints / "step-4"))
+        assert "not a file of this checkpoint: it was not written by tuneforge" in str(info.value)
+        assert "7 bytes" not in str(info.value)

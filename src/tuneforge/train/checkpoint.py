@@ -127,10 +127,19 @@ def checkpoint_problems(checkpoint: Path) -> list[str]:
         return []
     try:
         files = json.loads(path.read_text())["files"]
-    except (ValueError, KeyError):
+        entries = list(files.items())
+    except (ValueError, KeyError, TypeError, AttributeError):
         return [f"{path} is unreadable"]
+    for name, size in entries:
+        inside = isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts
+        if not inside or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            # Never followed: a hand-made manifest would otherwise have tuneforge report other files' sizes.
+            return [
+                f"{path} names {name!r} with size {size!r}, not a file of this checkpoint: it was not written "
+                "by tuneforge"
+            ]
     problems = []
-    for name, size in files.items():
+    for name, size in entries:
         file = checkpoint / name
         if not file.exists():
             problems.append(f"{file} is missing")

@@ -132,7 +132,9 @@ def read_state(checkpoint: Path) -> ResumePoint:
     try:
         recorded = json.loads(path.read_text())
         known = {f.name for f in fields(ResumePoint)}
-        return ResumePoint(**{key: value for key, value in recorded.items() if key in known})
+        point = ResumePoint(**{key: value for key, value in recorded.items() if key in known})
+        _check_types(point)
+        return point
     except (OSError, ValueError, TypeError, AttributeError) as exc:  # cut short, edited, or not ours
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise UserError(f"--resume {checkpoint}: {path} is not readable ({reason}); take another checkpoint") from None
@@ -152,6 +154,26 @@ def data_changed_note(point: ResumePoint, checkpoint: Path, now: str, steps_per_
         "be skipped or seen twice this epoch. To train on the new data from its start, begin a new run from "
         "this checkpoint's weights instead"
     )
+
+
+COUNTS = ("step", "epoch", "samples_consumed")
+SIZES = ("world_size", "micro_batch_size", "gradient_accumulation", "sequence_parallel")
+
+
+def _check_types(point: ResumePoint) -> None:
+    """A state file edited by hand or by someone else: every number where the loop expects one."""
+    for name in COUNTS + SIZES:
+        value = getattr(point, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (name in SIZES):
+            raise ValueError(f"{name} is {value!r}, not a whole number of at least {int(name in SIZES)}")
+    if not isinstance(point.engine, str):
+        raise ValueError(f"engine is {point.engine!r}, not a name")
+    loss = point.best_val_loss
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float)):
+        raise ValueError(f"best_val_loss is {loss!r}, not a number")
+    for name in ("run_id", "train_data"):
+        if getattr(point, name) is not None and not isinstance(getattr(point, name), str):
+            raise ValueError(f"{name} is {getattr(point, name)!r}, not text")
 
 
 def find_resume(
