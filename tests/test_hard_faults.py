@@ -236,3 +236,19 @@ def test_write_faults_are_read_from_the_errors_writers_wrap_them_in(tmp_path):
     }
     for exc, fault in cases.items():
         assert classify(exc, tmp_path) == fault, exc
+
+
+def test_a_master_port_in_use_is_named_before_the_workers_start(tmp_path):
+    import socket
+
+    write_job(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / "run")]
+        result = subprocess.run(
+            [*command, "--nproc-per-node", "2", "--master-port", str(port)], capture_output=True, text=True, timeout=120
+        )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"error: --master-port {port}: in use on this machine" in result.stderr

@@ -107,6 +107,12 @@ def test_tuneforge_plot_redraws_it(run, tmp_path, capsys):
     assert (copy / "plot.png").read_bytes()[:8] == PNG_MAGIC
     assert main(["plot", str(copy), "--out", str(tmp_path / "elsewhere" / "p.png")]) == 0
     assert (tmp_path / "elsewhere" / "p.png").read_bytes()[:8] == PNG_MAGIC
+    capsys.readouterr()
+    (tmp_path / "a-file").write_text("")
+    for out, said in ((tmp_path, "a directory; give the PNG file"), (tmp_path / "a-file" / "p.png", "cannot be")):
+        assert main(["plot", str(copy), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and said in err and len(err.splitlines()) == 1, err
 
 
 def test_a_line_cut_off_by_a_crash_is_left_out_and_counted(run, tmp_path):

@@ -203,3 +203,47 @@ def test_a_checkpoint_in_pytorch_format_loads_when_it_holds_data_and_is_refused_
     with pytest.raises(UserError, match=r"pytorch_model\.bin:.*data\.pkl would import (posix|os)\.system when"):
         load_trained(tmp_path)
     assert not (tmp_path / "ran").exists()
+
+
+def tiny_checkpoint(directory, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    )
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (directory / "tuneforge.json").write_text(json.dumps({"template": "qwen_chat", "system": None}))
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        ("meta-json", "tuneforge.json: not readable (Expecting"),
+        ("meta-types", "tuneforge.json: template is ['x'], not str or dict"),
+        ("meta-template", "tuneforge.json: the recorded template is not readable"),
+        ("tokenizer", ": the tokenizer cannot be loaded ("),
+        ("config", ": the model cannot be loaded ("),
+    ],
+)
+def test_a_received_checkpoint_with_broken_files_gets_one_line(tmp_path, tokenizer, capsys, damage, expected):
+    from tuneforge.cli import main
+
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt", tokenizer)
+    capsys.readouterr()  # the save's progress bar
+    meta = checkpoint / "tuneforge.json"
+    if damage == "meta-json":
+        meta.write_text('{"template": "qwen_chat"\n"system": 1}')
+    elif damage == "meta-types":
+        meta.write_text(json.dumps({"template": ["x"]}))
+    elif damage == "meta-template":
+        meta.write_text(json.dumps({"template": {"instruction": 5, "colour": "red"}}))
+    elif damage == "tokenizer":
+        (checkpoint / "tokenizer.json").write_text('{"version": "1.0"}')
+    else:
+        config = json.loads((checkpoint / "config.json").read_text())
+        (checkpoint / "config.json").write_text(json.dumps({**config, "vocab_size": 4 * config["vocab_size"]}))
+    assert main(["chat", str(checkpoint), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and expected in err and err.count("\n") == 1, err

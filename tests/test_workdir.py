@@ -135,3 +135,10 @@ def test_a_group_shared_run_gets_checkpoints_the_group_can_read_and_hints_that_p
     out = capsys.readouterr().out
     chat_line = next(line for line in out.splitlines() if line.startswith("chat with it:"))
     assert shlex.split(chat_line.split(":", 1)[1]) == ["tuneforge", "chat", str(final)]
+
+
+@pytest.mark.parametrize("holder", ['{"pid": "1", "host": "x", "started": 0}', "[1, 2]", '{"pid": true}'])
+def test_a_lock_file_edited_into_nonsense_is_taken_over_as_nobody_s(tmp_path, holder):
+    (tmp_path / LOCK_FILE).write_text(holder)
+    assert take_lock(tmp_path).startswith("work dir: took over the lock left by a process that died")
+    release_lock(tmp_path)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from transformers import TextStreamer
 
-from tuneforge.config.schema import TemplateConfig
 from tuneforge.data.conversation import prompt_conversation
-from tuneforge.data.templates import get_template
+from tuneforge.data.templates import get_template, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
 from tuneforge.model.trained import load_trained
+from tuneforge.train.checkpoint import CHAT_META
 
 
 def run_chat(
@@ -30,7 +30,7 @@ def run_chat(
     spec = template_name or meta.get("template")
     if spec is None:
         raise UserError(f"{checkpoint}: no tuneforge.json naming the chat template; pass --template NAME")
-    template = get_template(TemplateConfig.model_validate(spec) if isinstance(spec, dict) else spec)
+    template = get_template(template_name) if template_name else recorded_template(spec, checkpoint / CHAT_META)
     system = system if system is not None else meta.get("system")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 

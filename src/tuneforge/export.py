@@ -11,9 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from tuneforge.config.schema import TemplateConfig
 from tuneforge.data.jinja_template import to_jinja
-from tuneforge.data.templates import PromptTemplate, get_template
+from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.model.portable_adapter import make_portable
 from tuneforge.model.trained import (
@@ -36,7 +35,7 @@ def attach_chat_template(tokenizer: PreTrainedTokenizerBase, meta: dict) -> str:
     spec = meta.get("template")
     if spec is None:
         return "chat template: none recorded (no tuneforge.json); the tokenizer's own is kept"
-    template = get_template(TemplateConfig.model_validate(spec) if isinstance(spec, dict) else spec)
+    template = recorded_template(spec, Path(CHAT_META))
     if not isinstance(template, PromptTemplate):
         return "chat template: the tokenizer's own (as in training)"
     tokenizer.chat_template = to_jinja(template, meta.get("system"))

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 import time
 from pathlib import Path
 
+from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as elastic_run
 
 from tuneforge.diagnostics.report import REPORT, build_report
+from tuneforge.errors import UserError
 from tuneforge.watchdog import STALL_EXIT_CODE, STOPPED
 
 USER_ERROR_EXIT = 2
@@ -41,9 +44,17 @@ def launch_workers(
         *argv,
     ]
     args = get_args_parser().parse_args(launcher_args)
+    if node_rank == 0:
+        check_port_free(master_addr, master_port)
     started = time.time()
     try:
         elastic_run(args)
+    except DistNetworkError as exc:  # the rendezvous could not listen or connect
+        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UserError(
+            f"the launcher's rendezvous on {master_addr}:{master_port} failed ({reason}); check --master-addr and "
+            "--master-port (a free port on node 0, reachable from every node)"
+        ) from None
     except SignalException as exc:
         # SIGTERM or SIGINT to the launcher: torchrun passed it on to the ranks and waited for them to stop.
         if not _stopped_together(work_dir, started):
@@ -60,6 +71,24 @@ def launch_workers(
             return USER_ERROR_EXIT
         return STALL_EXIT_CODE if any(f.exitcode == STALL_EXIT_CODE for f in exc.failures.values()) else 1
     return 0
+
+
+def check_port_free(address: str, port: int) -> None:
+    """Node 0's launcher listens on `port`: one in use (another job's launcher, often) gives torch's
+    DistNetworkError traceback, so it is tried first and named."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("" if address in ("127.0.0.1", "localhost") else address, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UserError(
+                    f"--master-port {port}: in use on this machine (another job's launcher?); pick a free one, e.g. "
+                    "--master-port 29501"
+                ) from None
+            # Not an address of this machine, or not bindable here: torch's own error will say more.
 
 
 def _stopped_together(work_dir: Path | None, started: float) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
@@ -241,6 +242,19 @@ BUILT_IN: dict[str, PromptTemplate] = {
 }
 
 TOKENIZER = "tokenizer"
+
+
+def recorded_template(spec: str | dict, where: Path) -> ChatTemplate:
+    """The template a checkpoint's `tuneforge.json` names: a name, or an inline template's settings."""
+    if isinstance(spec, str):
+        return get_template(spec)
+    try:
+        return get_template(TemplateConfig.model_validate(spec))
+    except ValueError as exc:  # pydantic's ValidationError: the settings of another version, or edited
+        reason = (str(exc).splitlines() or [""])[:3]
+        raise UserError(
+            f"{where}: the recorded template is not readable ({'; '.join(reason)}); pass --template"
+        ) from None
 
 
 def get_template(spec: str | TemplateConfig) -> ChatTemplate:

@@ -7,8 +7,10 @@ the result computes what the training model computed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,6 +177,20 @@ def _quantize_experts_as_trained(
         )
 
 
+@contextlib.contextmanager
+def loading(what: str, path: Path | str) -> Iterator[None]:
+    """What transformers raises for files it cannot read (a config that does not match the weights, a tokenizer
+    file cut short), as one line naming the directory."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UserError(
+            f"{path}: the {what} cannot be loaded ({type(exc).__name__}: {reason}); its files are damaged or do not "
+            "belong together: take another checkpoint"
+        ) from None
+
+
 def load_trained(
     checkpoint: Path, base: Path | None = None, merge: bool = False, trust_remote_code: bool = False
 ) -> Trained:
@@ -187,9 +203,11 @@ def load_trained(
     check_checkpoint(checkpoint)
     meta = read_chat_meta(checkpoint) or {}
     remote = not is_adapter(checkpoint) and allow_remote_code(str(checkpoint), trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=remote)
+    with loading("tokenizer", checkpoint):
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=remote)
     if not is_adapter(checkpoint):
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=remote)
+        with loading("model", checkpoint):
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=remote)
         return Trained(model.eval(), tokenizer, meta, None)
     base_path = adapter_base(checkpoint, base)
     base_model = _load_base(base_path, meta.get("adapter", {}), merge, trust_remote_code)

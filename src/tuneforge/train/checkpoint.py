@@ -11,6 +11,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tuneforge.errors import UserError
 from tuneforge.model.portable_adapter import make_portable
 
 CHAT_META = "tuneforge.json"
@@ -170,6 +171,26 @@ def prune_checkpoints(checkpoints_dir: Path, keep_last: int | None) -> list[Path
     return removed
 
 
+META_TYPES = {"template": (str, dict), "system": (str,), "adapter": (dict,), "step": (int,)}
+"""What each key of `CHAT_META` holds (None allowed for all): a file handed over is checked before it is used."""
+
+
 def read_chat_meta(checkpoint: Path) -> dict[str, Any] | None:
     path = checkpoint / CHAT_META
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"{path}: not readable ({reason}); the checkpoint is damaged, take another one") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{path}: holds {type(meta).__name__}, not tuneforge's record of the checkpoint")
+    for key, types in META_TYPES.items():
+        value = meta.get(key)
+        if value is not None and not isinstance(value, types):
+            raise UserError(
+                f"{path}: {key} is {value!r}, not {' or '.join(t.__name__ for t in types)}; the file was edited or "
+                "is not tuneforge's; fix it, or pass --template NAME (and --system) to chat"
+            )
+    return meta

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shlex
@@ -93,10 +94,19 @@ def plot_metrics(work_dir: Path, out: Path | None = None, warn: Callable[[str], 
 
         fig.tight_layout()
         out = out or work_dir / PLOT_NAME
-        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.is_dir():
+            raise UserError(f"--out {out}: a directory; give the PNG file to write, e.g. {out / PLOT_NAME}")
         tmp = out.with_name(f".{out.name}.tmp")
-        fig.savefig(tmp, format="png", dpi=100)
-        tmp.replace(out)  # a viewer never sees half a file
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(tmp, format="png", dpi=100)
+            tmp.replace(out)  # a viewer never sees half a file
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise UserError(
+                f"{out}: the plot cannot be written ({exc.strerror or exc}); choose another --out"
+            ) from None
     finally:
         plt.close(fig)
     return out

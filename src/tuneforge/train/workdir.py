@@ -50,9 +50,12 @@ def _alive(pid: int) -> bool:
 
 def _read_holder(path: Path) -> Holder | None:
     try:
-        return Holder(**json.loads(path.read_text(encoding="utf-8")))
+        holder = Holder(**json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):  # vanished meanwhile, or half written by a process that died
         return None
+    valid = isinstance(holder.pid, int) and not isinstance(holder.pid, bool) and holder.pid > 0
+    valid = valid and isinstance(holder.host, str) and isinstance(holder.started, int | float)
+    return holder if valid else None  # edited by hand or by something else: a lock nobody holds
 
 
 def take_lock(work_dir: Path) -> str:
