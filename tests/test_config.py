@@ -98,6 +98,29 @@ def test_a_data_file_in_a_symlink_loop_is_named(tmp_path):
         load_config(write(tmp_path, "model: {path: m}\ndata: {train_files: [a.jsonl]}\n"))
 
 
+def test_a_yaml_alias_bomb_and_deep_nesting_are_refused_at_once(tmp_path):
+    import time
+
+    levels = ["a: &a [" + ", ".join(["lol"] * 9) + "]"]
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True):
+        levels.append(f"{name}: &{name} [" + ", ".join([f"*{previous}"] * 9) + "]")
+    bomb = "\n".join(levels) + "\nmodel: {path: m}\ndata: {train_files: [t.jsonl], system: *i}\n"
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"aliases \(&name / \*name\) expand to more than 100,000 values"):
+        load_config(write(tmp_path, bomb))
+    assert time.monotonic() - started < 5
+    with pytest.raises(UserError, match=r"nested too deeply to read"):
+        load_config(write(tmp_path, "eval: {sample_prompts: " + "[" * 50_000 + "]" * 50_000 + "}\n"))
+
+
+def test_a_long_wrong_value_is_shown_cut_short(tmp_path):
+    with pytest.raises(UserError) as info:
+        load_config(
+            write(tmp_path, f"model: {{path: m}}\ndata: {{train_files: [t.jsonl], system: {[['x'] * 5000]}}}\n")
+        )
+    assert "... (" in str(info.value) and len(str(info.value)) < 600
+
+
 def test_overrides_apply_and_parse_yaml_values(tmp_path):
     config = load_config(write(tmp_path, BASE), ["train.lr=1e-4", "data.max_length=512", "train.betas=[0.9, 0.95]"])
     assert config.train.lr == 1e-4

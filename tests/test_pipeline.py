@@ -310,3 +310,37 @@ def test_data_commands_check_their_inputs_as_train_does(tmp_path, capsys):
             "choose another path"
         )
         assert err[3].startswith("data.max_length: 128 is beyond the model's context (64 positions")
+
+
+def test_a_pipe_as_train_file_and_a_deepspeed_json_that_is_not_json_are_said_before_anything_runs(tmp_path):
+    import os
+
+    from tuneforge.config import load_config
+    from tuneforge.train.inputs import check_inputs
+
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2,}')
+    (tmp_path / "cfg.yaml").write_text(
+        "model: {architecture: llama, tokenizer: bytes}\n"
+        "data: {train_files: [pipe.jsonl]}\n"
+        f"parallel: {{engine: deepspeed, deepspeed_config: {tmp_path / 'ds.json'}}}\n"
+    )
+    with pytest.raises(UserError) as info:
+        check_inputs(load_config(tmp_path / "cfg.yaml"), tmp_path / "run")
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"data.train_files: {tmp_path / 'pipe.jsonl'} is not a regular file (a pipe or device); " + (
+        "write the data to a file"
+    )
+    assert lines[1].startswith(f"parallel.deepspeed_config: cannot read {tmp_path / 'ds.json'} (Expecting")
+
+
+def test_a_tokenizer_template_that_cannot_render_is_one_error(tokenizer):
+    import copy
+
+    from tuneforge.data.conversation import prompt_conversation
+    from tuneforge.data.templates import TokenizerTemplate
+
+    broken = copy.deepcopy(tokenizer)
+    broken.chat_template = "{% for m in messages %}{{ m['content'] }}"
+    with pytest.raises(UserError, match=r"the tokenizer's chat_template cannot be rendered \(TemplateSyntaxError"):
+        TokenizerTemplate()._apply(broken, prompt_conversation([], "hi").messages(), generation_prompt=True)

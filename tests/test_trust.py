@@ -247,3 +247,12 @@ def test_a_received_checkpoint_with_broken_files_gets_one_line(tmp_path, tokeniz
     assert main(["chat", str(checkpoint), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and expected in err and err.count("\n") == 1, err
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tmp_path, tokenizer, capsys):
+    from tuneforge.cli import main
+
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt", tokenizer)
+    capsys.readouterr()
+    assert main(["chat", str(checkpoint), "--prompt", "caf\udce9"]) == 2  # how Python keeps a raw byte from argv
+    assert capsys.readouterr().err == "error: --prompt: not UTF-8 text; give the prompt in UTF-8\n"

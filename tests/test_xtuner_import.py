@@ -75,6 +75,24 @@ def test_the_original_report_text_gets_a_located_error(tmp_path):
         import_config(path)
 
 
+def test_import_reads_only_config_files_and_never_writes_over_its_input(tmp_path, capsys):
+    from tuneforge.cli import main
+
+    assert main(["import-xtuner", "/dev/zero"]) == 2
+    assert "error: /dev/zero: not a regular file" in capsys.readouterr().err
+    source = tmp_path / "cfg.py"
+    source.write_text(SEED.read_text())
+    assert main(["import-xtuner", str(source), "-o", str(source)]) == 2
+    assert "that is the xtuner config being imported" in capsys.readouterr().err
+    assert source.read_text() == SEED.read_text()
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("my notes\n")
+    assert main(["import-xtuner", str(source), "-o", str(mine)]) == 2
+    assert "exists and was not written by import-xtuner" in capsys.readouterr().err
+    assert main(["import-xtuner", str(source), "-o", str(tmp_path / "out.yaml")]) == 0
+    assert main(["import-xtuner", str(source), "-o", str(tmp_path / "out.yaml")]) == 0  # its own output: replaced
+
+
 def test_an_unreadable_field_of_the_model_is_named_with_its_line(tmp_path):
     text = SEED.read_text()
     field = "pretrained_model_name_or_path=pretrained_model_name_or_path"

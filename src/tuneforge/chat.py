@@ -39,6 +39,8 @@ def run_chat(
         return generate_replies(model, tokenizer, template, prompts, system, max_new_tokens, streamer=streamer)[0]
 
     if prompt is not None:
+        if not _is_text(prompt):
+            raise UserError("--prompt: not UTF-8 text; give the prompt in UTF-8")
         answer([], prompt)
         return
     print("Chatting with", checkpoint, "(empty line or Ctrl-D to quit, /reset to start over)")
@@ -49,6 +51,11 @@ def run_chat(
         except EOFError:
             print()
             return
+        except UnicodeDecodeError:
+            text = "\udcff"  # answered below like any other line that is not text
+        if not _is_text(text):
+            print("(not UTF-8 text: nothing sent; type the line again)")
+            continue
         if not text.strip():
             return
         if text.strip() == "/reset":
@@ -56,3 +63,12 @@ def run_chat(
             continue
         history.append((text, answer(history, text)))
         sys.stdout.flush()
+
+
+def _is_text(text: str) -> bool:
+    """False for a string carrying undecodable bytes (Python keeps them as lone surrogates from argv or stdin)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -220,10 +220,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+IMPORTED_HEADER = "# tuneforge config imported from "
+
+
+def _check_import_target(source: Path, out: Path) -> None:
+    """`-o` never overwrites the xtuner config itself, nor a file that an import did not write."""
+    if out.exists() and source.exists() and out.resolve() == source.resolve():
+        raise UserError(f"-o {out}: that is the xtuner config being imported; write the YAML elsewhere")
+    if out.is_dir():
+        raise UserError(f"-o {out}: a directory; give the YAML file to write, e.g. {out / (source.stem + '.yaml')}")
+    if out.exists():
+        try:
+            first = out.read_text(encoding="utf-8", errors="replace").split("\n", 1)[0]
+        except OSError:
+            first = ""
+        if not first.startswith(IMPORTED_HEADER):
+            raise UserError(f"-o {out}: exists and was not written by import-xtuner; delete it or choose another path")
+
+
 def _import_xtuner(source: Path, deepspeed: str | None, nproc: int, out: Path | None) -> Path | None:
     """Print the native equivalent of an xtuner config (and write it to `out`)."""
     from tuneforge.xtuner.mapping import import_config, to_yaml
 
+    if out is not None:
+        _check_import_target(source, out)
     result = import_config(source, deepspeed, nproc)
     text = to_yaml(result, source, out)
     print(text)

@@ -316,7 +316,10 @@ class StallWatchdog:
                 continue
             if not self.graceful:
                 self._terminate(
-                    received, "the launcher stops every rank when one fails" if number == signal.SIGTERM else ""
+                    received,
+                    "the launcher stops every rank when one fails"
+                    if number == signal.SIGTERM and self.world_size > 1
+                    else "",
                 )
             elif self._a_peer_is_gone():
                 self._terminate(received, "a rank is gone, so the ranks cannot agree on a step to stop at")

@@ -55,6 +55,28 @@ def _line_of(root: yaml.Node | None, loc: tuple[str | int, ...], exact: bool = F
     return line
 
 
+EXPANDED_VALUES_LIMIT = 100_000
+"""A config with aliases (`&a` ... `*a`) that stand for more values than this is refused unread: nested aliases
+grow exponentially (a "billion laughs" file), and no config has this many settings."""
+
+
+def _refuse_alias_bombs(root: yaml.Node | None, path: Path) -> None:
+    """Count the values the document stands for, aliases expanded, stopping at the limit."""
+    pending, count = [root], 0
+    while pending:
+        node = pending.pop()
+        count += 1
+        if count > EXPANDED_VALUES_LIMIT:
+            raise UserError(
+                f"{path}: its aliases (&name / *name) expand to more than {EXPANDED_VALUES_LIMIT:,} values; write "
+                "the values out instead"
+            )
+        if isinstance(node, yaml.MappingNode):
+            pending.extend(value for pair in node.value for value in pair)
+        elif isinstance(node, yaml.SequenceNode):
+            pending.extend(node.value)
+
+
 def _duplicate_keys(node: yaml.Node | None, prefix: str = "") -> list[tuple[str, int, int]]:
     """(dotted key, first line, repeated line) for every key given twice in one mapping: YAML keeps the last
     silently, so a value the user sees is not the one that trains."""
@@ -101,7 +123,8 @@ def _describe(error: dict[str, Any]) -> str:
         return "required key is missing"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] not in ("value_error", "assertion_error"):
-        message += f" (got {error['input']!r})"
+        given = repr(error["input"])
+        message += f" (got {given if len(given) <= 200 else given[:200] + f'... ({len(given):,} characters)'})"
     return message
 
 
@@ -174,7 +197,10 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raise UserError(f"{path}:{line}: not UTF-8 text; save the config as UTF-8") from None
     try:
         root = yaml.compose(text)
+        _refuse_alias_bombs(root, path)
         tree = yaml.safe_load(text) or {}
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply to read; is this a tuneforge config?") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -60,7 +60,11 @@ def _read_jsonl(path: Path, on_error: str) -> Iterator[RawRecord]:
             try:
                 record = json.loads(line)
             except (json.JSONDecodeError, RecursionError) as exc:
-                why = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else NESTED_TOO_DEEP
+                why = (
+                    f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+                    if isinstance(exc, json.JSONDecodeError)
+                    else NESTED_TOO_DEEP
+                )
                 message = f"not valid JSON ({why}): {_snippet(line)}"
                 if on_error == "raise":
                     raise UserError(
@@ -69,6 +73,11 @@ def _read_jsonl(path: Path, on_error: str) -> Iterator[RawRecord]:
                 yield RawRecord(origin, None, message)
                 continue
             yield RawRecord(origin, record)
+
+
+def _json_problem(exc: json.JSONDecodeError) -> str:
+    # Some of the reader's messages end in "at" themselves ("Invalid control character at").
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
 
 
 def _read_json(path: Path, on_error: str) -> Iterator[RawRecord]:
@@ -86,7 +95,9 @@ def _read_json(path: Path, on_error: str) -> Iterator[RawRecord]:
         if exc.msg == "Extra data":  # one object per line in a .json file: read it as JSONL
             yield from _read_jsonl(path, on_error)
             return
-        raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise UserError(
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})"
+        ) from None
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):

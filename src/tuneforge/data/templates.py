@@ -131,7 +131,15 @@ class TokenizerTemplate:
         return messages
 
     def _apply(self, tokenizer, messages, generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        import jinja2
+
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except jinja2.TemplateError as exc:  # a syntax error, or the sandbox refusing what the template tried
+            raise UserError(
+                f"the tokenizer's chat_template cannot be rendered ({type(exc).__name__}: {exc}); fix it in "
+                "tokenizer_config.json, or name a built-in template (data.template, or --template for chat)"
+            ) from None
 
     def _spans(self, conversation, tokenizer, default_system) -> tuple[str, list[tuple[int, int, bool]]]:
         messages = self._messages(conversation, default_system)

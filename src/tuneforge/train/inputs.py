@@ -29,6 +29,7 @@ def check_inputs(cfg: Config, work_dir: Path) -> None:
         *_model_problems(cfg.model),
         *writable_problems("--work-dir", work_dir),
         *_cache_problems(cfg),
+        *_deepspeed_json_problems(cfg),
         *_context_problems(cfg),
     ]
     if problems:
@@ -51,11 +52,14 @@ def _data_problems(cfg: Config) -> list[str]:
     named += [("data.validation_files", f) for f in cfg.data.validation_files]
     if cfg.eval.exact_match is not None:
         named.append(("eval.exact_match.file", cfg.eval.exact_match.file))
-    return [
-        f"{key}: {path} not found (relative paths are read from the config file's directory)"
-        for key, path in named
-        if not Path(path).exists()
-    ]
+    problems = []
+    for key, path in named:
+        if not Path(path).exists():
+            problems.append(f"{key}: {path} not found (relative paths are read from the config file's directory)")
+        elif not (Path(path).is_file() or Path(path).is_dir()):
+            # A pipe would block the read with nothing said, a device would be read without end.
+            problems.append(f"{key}: {path} is not a regular file (a pipe or device); write the data to a file")
+    return problems
 
 
 def _model_problems(model: ModelConfig) -> list[str]:
@@ -122,6 +126,18 @@ def writable_problems(what: str, directory: Path) -> list[str]:
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"{what} {directory}: {existing} is not writable by this user; choose a directory you can write"]
     return []
+
+
+def _deepspeed_json_problems(cfg: Config) -> list[str]:
+    """`parallel.deepspeed_config` is read once the model is built; a file that is not JSON is said now."""
+    if not cfg.parallel.deepspeed_config:
+        return []
+    path = Path(cfg.parallel.deepspeed_config)
+    try:
+        merged = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return [f"parallel.deepspeed_config: cannot read {path} ({exc})"]
+    return [] if isinstance(merged, dict) else [f"parallel.deepspeed_config: {path} holds no JSON object"]
 
 
 def _cache_problems(cfg: Config) -> list[str]:

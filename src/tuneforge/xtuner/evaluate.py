@@ -231,7 +231,17 @@ class Reader:
             self.module.lines[name] = line
 
 
+CONFIG_BYTES_LIMIT = 16 * 2**20
+"""xtuner configs are a few KB; a larger file is not one (and /dev/zero would be read until memory runs out)."""
+
+
 def read_config(path: Path) -> Module:
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path}: not a regular file (a directory, device or pipe); give the xtuner config, a .py file")
+    if path.exists() and path.stat().st_size > CONFIG_BYTES_LIMIT:
+        raise UserError(
+            f"{path}: {path.stat().st_size:,} bytes, more than an xtuner config holds ({CONFIG_BYTES_LIMIT:,} at most)"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
