@@ -123,7 +123,7 @@ def test_second_run_reads_the_cache_and_a_changed_file_misses_it(tmp_path, token
     assert not cached and len(third.data) == 7
 
 
-@pytest.mark.parametrize("damage", ["cut short", "header gone", "manifest gone"])
+@pytest.mark.parametrize("damage", ["cut short", "header gone", "manifest gone", "same size, other tokens"])
 def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(tmp_path, tokenizer, capsys, damage):
     """A cache file cut short (a full disk, a copy interrupted, a user's truncate): the next run says so and
     rebuilds the entry, instead of failing on every later run with numpy's EOF errors."""
@@ -137,8 +137,11 @@ def test_a_damaged_cache_entry_is_set_aside_and_rebuilt(tmp_path, tokenizer, cap
             handle.truncate((entry / "input_ids.npy").stat().st_size - 8)
     elif damage == "header gone":
         (entry / "labels.npy").write_bytes(b"")
-    else:
+    elif damage == "manifest gone":
         (entry / "manifest.json").unlink()
+    else:  # valid ids of the same byte size: only the checksum tells
+        ids = np.load(entry / "input_ids.npy")
+        np.save(entry / "input_ids.npy", np.full_like(ids, 100))
     again, cached = prepare_split("train", cfg, cfg.train_files, tokenizer, template)
     assert not cached and np.array_equal(again.data.input_ids, first.data.input_ids)
     err = capsys.readouterr().err

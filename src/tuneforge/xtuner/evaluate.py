@@ -259,6 +259,7 @@ def read_config(path: Path) -> Module:
         raise UserError(f"{path}: nested too deeply to read; is this an xtuner config?") from None
     except SyntaxError as exc:
         source = (exc.text or "").strip()
+        source = source if len(source) <= 120 else source[:120] + "..."
         raise UserError(
             f"{path}:{exc.lineno}: not valid Python ({exc.msg}): {source!r}. An xtuner config is a Python file: "
             "fix that line (a placeholder such as [数据地址] must become a quoted path, e.g. ['data/train.jsonl'])"
