@@ -347,3 +347,13 @@ def test_a_tokenizer_template_that_cannot_render_is_one_error(tokenizer):
     broken.chat_template = "{% for m in messages %}{{ m['content'] }}"
     with pytest.raises(UserError, match=r"the tokenizer's chat_template cannot be rendered \(TemplateSyntaxError"):
         TokenizerTemplate()._apply(broken, prompt_conversation([], "hi").messages(), generation_prompt=True)
+
+
+def test_a_file_mixing_formats_says_its_first_record_decided(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"instruction": "x", "output": "y"}, *RECORDS])
+    report = prepare(config(tmp_path, [path], cache_dir=None, on_error="skip"), tokenizer).train.report
+    assert report.drops.counts == {"another format than the file's first record": 6}
+    assert report.drops.examples["another format than the file's first record"][0] == (
+        f"{path}:2: looks like openai, but {path}:1 made the file alpaca; give each format its own file, or set "
+        "data.format"
+    )

@@ -42,12 +42,16 @@ class PreparedData:
     validation: Split | None
 
 
+OTHER_FORMAT = "another format than the file's first record"
+
+
 def read_conversations(cfg: DataConfig, files: list[str], drops: DropLog) -> tuple[list[Conversation], int]:
     """All convertible conversations of `files`, and how many records were read."""
     conversations: list[Conversation] = []
     read = 0
     for path in files:
         file_format = None if cfg.format == "auto" else cfg.format
+        decided_by = "data.format"
         for record in read_records(path, cfg.on_error, cfg.split):
             read += 1
             if record.error is not None:
@@ -55,6 +59,7 @@ def read_conversations(cfg: DataConfig, files: list[str], drops: DropLog) -> tup
                 continue
             if file_format is None:
                 file_format = detect_format(record.value)
+                decided_by = record.origin
                 if file_format is None:
                     keys = ", ".join(map(str, record.value)) if isinstance(record.value, dict) else "none"
                     raise UserError(
@@ -65,7 +70,16 @@ def read_conversations(cfg: DataConfig, files: list[str], drops: DropLog) -> tup
             try:
                 conversations.append(to_conversation(record.value, file_format, record.origin))
             except SampleError as exc:
-                drops.add(exc.reason, f"{record.origin}: {exc.detail}" if exc.detail else record.origin)
+                reason, detail = exc.reason, exc.detail
+                looks_like = detect_format(record.value) if cfg.format == "auto" else None
+                if looks_like is not None and looks_like != file_format:
+                    # A file mixing formats: the first record decided, say so rather than call the rest broken.
+                    reason = OTHER_FORMAT
+                    detail = (
+                        f"looks like {looks_like}, but {decided_by} made the file {file_format}; give each format "
+                        "its own file, or set data.format"
+                    )
+                drops.add(reason, f"{record.origin}: {detail}" if detail else record.origin)
     return conversations, read
 
 
