@@ -141,6 +141,9 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix():
 def test_too_few_samples_for_the_ranks_warn(tokenizer):
     check = verdicts(config(train={"micro_batch_size": 4}), tokenizer, world_size=8, samples=20)["samples per step"]
     assert check.status == WARN and "20 training samples for 8 ranks x micro-batch 4" in check.detail
+    assert check.detail.endswith("a micro-batch holds 20 samples over all ranks, fewer than configured")
+    fewer = verdicts(config(train={"micro_batch_size": 4}), tokenizer, world_size=8, samples=5)["samples per step"]
+    assert fewer.detail.endswith("samples repeat within a step so that every rank has a batch")
 
 
 def test_packing_on_flash_attention_without_a_gpu_fails(tokenizer):

@@ -286,7 +286,11 @@ def check_samples(cfg: Config, world_size: int, num_samples: int | None) -> Chec
             WARN,
             f"{num_samples} training samples for {groups} {'ranks' if groups == world_size else 'data-parallel groups'}"
             f" x micro-batch {cfg.train.micro_batch_size}: "
-            "samples repeat within a step so that every rank has a batch",
+            + (
+                "samples repeat within a step so that every rank has a batch"
+                if num_samples < groups
+                else f"a micro-batch holds {num_samples} samples over all ranks, fewer than configured"
+            ),
             "add data, or lower train.micro_batch_size or the number of processes",
         )
     return Check(name, PASS, f"{num_samples} samples, {per_step} per global micro-batch")

@@ -410,6 +410,10 @@ def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | 
         f"= {global_batch} per step; lr {cfg.train.lr:g} ({cfg.train.schedule}, "
         f"{trainer.schedule.warmup_steps} warmup steps)"
     )
+    rows = len(parts.planner.packed_rows) if parts.planner.packed_rows is not None else len(parts.planner.data)
+    if rows < global_batch:
+        unit = "rows" if cfg.data.packing else "samples"
+        say(f"train: the data has {rows} {unit}, so a step takes {max(rows, layout.data_size)}, not {global_batch}")
     start = None
     if resume == "auto" and resume_dir is None:
         say("resume: no complete step checkpoint of this run in the work dir yet; starting from the beginning")
