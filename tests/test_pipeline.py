@@ -357,3 +357,18 @@ def test_a_file_mixing_formats_says_its_first_record_decided(tmp_path, tokenizer
         f"{path}:2: looks like openai, but {path}:1 made the file alpaca; give each format its own file, or set "
         "data.format"
     )
+
+
+@pytest.mark.parametrize("truncation", ["drop", "truncate"])
+def test_a_sample_too_long_for_any_tokenizer_is_dropped_without_tokenizing(tmp_path, tokenizer, truncation):
+    """20 million characters against max_length 64: the report says so in well under a second (it took minutes
+    and gigabytes to tokenize first); the other samples are kept as before."""
+    import time
+
+    path = write_jsonl(tmp_path / "huge.jsonl", [chat("x" * 20_000_000, "y"), *RECORDS])
+    started = time.monotonic()
+    report = prepare(config(tmp_path, [path], cache_dir=None, max_length=64, truncation=truncation), tokenizer)
+    report = report.train.report
+    assert time.monotonic() - started < 5
+    assert report.kept == len(RECORDS) and report.drops.counts == {"longer than data.max_length": 1}
+    assert report.drops.examples["longer than data.max_length"] == [f"{path}:1 (20,000,001 characters, not tokenized)"]
