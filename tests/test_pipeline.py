@@ -99,6 +99,15 @@ def test_a_line_nested_too_deep_for_json_is_a_malformed_line_not_a_crash(tmp_pat
     assert (report.read, report.kept, report.drops.counts) == (2, 1, {"malformed JSON": 1})
 
 
+def test_a_malformed_line_is_quoted_with_its_control_characters_escaped(tmp_path, tokenizer):
+    path = tmp_path / "nul.jsonl"
+    path.write_bytes(b'{"messages": [{"role\x00\x1b[2J": 1}]}\n')
+    with pytest.raises(UserError) as info:
+        prepare(config(tmp_path, [path], cache_dir=None), tokenizer)
+    assert "Invalid control character at column" in str(info.value) and "at at" not in str(info.value)
+    assert '{"messages": [{"role\\x00\\x1b[2J"' in str(info.value) and "\x00" not in str(info.value)
+
+
 def test_unknown_format_names_the_record_and_the_fix(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "x.jsonl", [{"text": "hello"}])
     with pytest.raises(UserError, match=r"x.jsonl:1: cannot tell the data format .*keys: text.*data.format"):

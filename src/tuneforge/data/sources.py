@@ -29,8 +29,11 @@ class RawRecord:
 
 
 def _snippet(text: str, limit: int = 80) -> str:
+    """The start of a line for a message: control characters (a NUL, an escape sequence) shown escaped, never
+    sent to the terminal."""
     text = text.strip()
-    return text if len(text) <= limit else text[:limit] + "..."
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 NOT_UTF8_FIX = "re-encode the file as UTF-8 (for example `iconv -f latin1 -t utf-8 IN > OUT`)"
