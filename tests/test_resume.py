@@ -115,9 +115,12 @@ def test_resume_refuses_another_world_size(job):
 
 # The sharded engines, whose checkpoints hold each rank's shard; DDP's state is the one-process state, which
 # the tests above resume, and its sampler is the one these share.
-# FSDP2 killed outright; ZeRO-3 with offload stopped by a scheduler's SIGTERM that only rank 1 received: the
+# FSDP2 and ZeRO-2 (whose optimizer state pickles its slice addresses) killed outright; ZeRO-3 with offload
+# stopped by a scheduler's SIGTERM that only rank 1 received: the
 # ranks agree at the end of step 5, save it, and exit together without a diagnosis.
-@pytest.mark.parametrize(("engine", "fault"), [("fsdp", "kill:1:6"), ("zero3_offload", "sigterm:1:5")])
+@pytest.mark.parametrize(
+    ("engine", "fault"), [("fsdp", "kill:1:6"), ("zero2", "kill:0:6"), ("zero3_offload", "sigterm:1:5")]
+)
 def test_two_ranks_stopped_and_resumed_equal_uninterrupted(job, engine, fault):
     (job / "cfg.yaml").write_text(CONFIG)
     extra = ENGINES[engine]

@@ -111,12 +111,12 @@ def test_distributed_checkpoint_metadata_is_refused_when_it_would_run_code(tmp_p
     state = {"model": {"weight": torch.randn(4, 3)}, "optimizer": {"step": torch.tensor(2.0)}}
     dcp.save(state, checkpoint_id=str(tmp_path / "fsdp"))
     metadata = tmp_path / "fsdp" / ".metadata"
-    refuse_unsafe_pickles([metadata], _dcp_metadata_type, "--resume x")  # PyTorch's own file: accepted
+    refuse_unsafe_pickles([metadata], _dcp_metadata_type, "--resume x", single_pickle=True)  # PyTorch's: accepted
 
     marker = tmp_path / "ran"
     metadata.write_bytes(pickle.dumps([pickle.loads(metadata.read_bytes()), RunsACommand(marker)]))
     with pytest.raises(UserError, match=r"--resume x: .*\.metadata would import (posix|os)\.system when loaded"):
-        refuse_unsafe_pickles([metadata], _dcp_metadata_type, "--resume x")
+        refuse_unsafe_pickles([metadata], _dcp_metadata_type, "--resume x", single_pickle=True)
     assert not marker.exists()
 
 
@@ -256,3 +256,56 @@ def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tmp_path, tokenizer, c
     capsys.readouterr()
     assert main(["chat", str(checkpoint), "--prompt", "caf\udce9"]) == 2  # how Python keeps a raw byte from argv
     assert capsys.readouterr().err == "error: --prompt: not UTF-8 text; give the prompt in UTF-8\n"
+
+
+def test_only_exact_data_names_pass_the_scan():
+    """From protocol 4 a dotted name is followed attribute by attribute: a name under an allowed prefix can
+    reach a loader method that writes or runs files."""
+    from tuneforge.pickle_guard import data_global
+
+    assert (
+        data_global("numpy.dtypes.UInt32DType") and data_global("torch.float32") and data_global("torch.FloatStorage")
+    )
+    for name in ("numpy.dtypes.__loader__.set_data", "torch.__loader__", "torch.os.system", "torch.load"):
+        assert not data_global(name), name
+    assert not _dcp_metadata_type("torch.distributed.checkpoint.metadata.os")
+
+
+def test_files_are_read_as_torch_reads_them(tmp_path):
+    """A pickle with a zip appended is a pickle to torch (it checks the first bytes), a zip naming a member
+    twice hides the first from a reader, and the legacy format holds several pickles: none passes."""
+    import zipfile
+
+    payload = pickle.dumps(RunsACommand(tmp_path / "ran"))
+    disguised = tmp_path / "disguised.pt"
+    torch.save({"w": torch.ones(1)}, tmp_path / "real.pt")
+    disguised.write_bytes(payload + (tmp_path / "real.pt").read_bytes())
+    twice = tmp_path / "twice.pt"
+    with zipfile.ZipFile(twice, "w") as archive:
+        archive.writestr("archive/data.pkl", payload)
+        with pytest.warns(UserWarning):
+            archive.writestr("archive/data.pkl", pickle.dumps({"w": 1}))
+    for path, why in ((disguised, "not in PyTorch's zip format"), (twice, "names a member twice")):
+        with pytest.raises(UserError, match=why):
+            refuse_unsafe_pickles([path], _deepspeed_record_type, "r")
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_distributed_checkpoint_value_that_would_run_code_is_refused_by_the_fsdp_planner(tmp_path):
+    """PyTorch's own planner reads non-tensor values with weights_only=False; the FSDP engine's reads each with
+    the weights-only loader first."""
+    import torch.distributed.checkpoint as dcp
+
+    from tuneforge.engines.fsdp import DataOnlyLoadPlanner, load_data_only
+
+    dcp.save({"w": torch.ones(2), "settings": {"lr": 0.1, "betas": (0.9, 0.99)}}, checkpoint_id=str(tmp_path / "ok"))
+    state = {"w": torch.zeros(2), "settings": {"lr": 0.0, "betas": (0.0, 0.0)}}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ok"), planner=DataOnlyLoadPlanner())
+    assert state["settings"] == {"lr": 0.1, "betas": (0.9, 0.99)} and torch.equal(state["w"], torch.ones(2))
+
+    hostile = {"w": torch.ones(2), "settings": {"lr": RunsACommand(tmp_path / "ran"), "betas": (0.9, 0.99)}}
+    dcp.save(hostile, checkpoint_id=str(tmp_path / "bad"))
+    with pytest.raises(UserError, match=r"a value of the FSDP checkpoint \(settings.lr\) holds more than data"):
+        load_data_only(state, tmp_path / "bad")
+    assert not (tmp_path / "ran").exists()

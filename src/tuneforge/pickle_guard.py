@@ -10,6 +10,7 @@ allowlist of data types: tensors, dtypes, containers and the engine's own record
 from __future__ import annotations
 
 import pickletools
+import re
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -60,21 +61,27 @@ _DATA_GLOBALS = {
 }
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_NUMPY_DTYPE = re.compile(r"numpy\.dtypes\.[A-Za-z0-9]+DType")
+
+
 def _torch_data_type(name: str) -> bool:
     """torch dtypes, layouts, memory formats and storage classes: named `torch.X`, built without side effects."""
     module, _, attribute = name.rpartition(".")
-    if module != "torch":
+    if module != "torch" or not _PLAIN_NAME.fullmatch(attribute):
         return False
-    if attribute.endswith("Storage"):
-        return True
     import torch
 
     value = getattr(torch, attribute, None)
+    if attribute.endswith("Storage"):
+        return isinstance(value, type)
     return isinstance(value, torch.dtype | torch.layout | torch.memory_format)
 
 
 def data_global(name: str) -> bool:
-    return name in _DATA_GLOBALS or _torch_data_type(name) or name.startswith("numpy.dtypes.")
+    """Exact names only: from protocol 4 a dotted name is followed attribute by attribute, so a prefix rule
+    (`numpy.dtypes.`) would let `numpy.dtypes.__loader__...` through."""
+    return name in _DATA_GLOBALS or _torch_data_type(name) or bool(_NUMPY_DTYPE.fullmatch(name))
 
 
 def pickle_globals(data: bytes) -> set[str]:
@@ -108,21 +115,47 @@ def pickle_globals(data: bytes) -> set[str]:
     return found
 
 
-def file_pickles(path: Path) -> Iterable[tuple[str, bytes]]:
-    """(where, pickle bytes) of a file: each `.pkl` member of a torch zip archive, or the file as one pickle."""
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
-            for member in archive.namelist():
-                if member.endswith(".pkl"):
-                    yield f"{path}:{member}", archive.read(member)
-    else:
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def starts_as_zip(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(4) == ZIP_MAGIC
+
+
+def file_pickles(path: Path, single_pickle: bool = False) -> Iterable[tuple[str, bytes]]:
+    """(where, pickle bytes) of a file, decided as torch.load decides: a zip archive when it starts as one (each
+    `.pkl` member, every member name once), else, with `single_pickle`, the file as the one pickle its reader
+    takes. Any other file is refused: torch's legacy format holds several pickles and raw storage bytes."""
+    if not starts_as_zip(path):
+        if not single_pickle:
+            raise ValueError("not in PyTorch's zip format (its legacy format is not read)")
         yield str(path), path.read_bytes()
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            names = [member.filename for member in members]
+            if len(names) != len(set(names)):
+                raise ValueError("the archive names a member twice")
+            for member in members:
+                if member.filename.endswith(".pkl"):
+                    yield f"{path}:{member.filename}", archive.read(member)
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"not a readable archive ({exc})") from None
 
 
-def refuse_unsafe_pickles(paths: Iterable[Path], allowed: Callable[[str], bool], what: str, remedy: str = "") -> None:
-    """UserError naming the first file that would import a global outside `data_global` and `allowed`."""
+def refuse_unsafe_pickles(
+    paths: Iterable[Path], allowed: Callable[[str], bool], what: str, remedy: str = "", single_pickle: bool = False
+) -> None:
+    """UserError naming the first file that would import a global outside `data_global` and `allowed`.
+    `single_pickle`: the files are one plain pickle each (DCP's `.metadata`), not torch.save archives."""
     for path in paths:
-        for where, data in file_pickles(path):
+        try:
+            pickles = list(file_pickles(path, single_pickle))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{what}: {path} is not readable as a checkpoint file ({exc})") from None
+        for where, data in pickles:
             try:
                 names = pickle_globals(data)
             except ValueError as exc:  # not a pickle, or cut short

@@ -60,6 +60,15 @@ def black_box_file(diagnostics_dir: Path, rank: int) -> Path:
     return diagnostics_dir / "live" / f"collective-rank-{rank}.bin"
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (Linux): with the pid, it names one process, where
+    a pid alone may have been reused since it was written down."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def write_json(path: Path, data: dict) -> None:
     """Atomic, so a reader on another process (or node) never sees half a file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -407,6 +416,7 @@ class StallWatchdog:
             "world_size": self.world_size,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "pid_started": process_start_ticks(os.getpid()),
             "phase": self.phase,
             "step": self.step,
             "total_steps": self.total_steps,

@@ -215,7 +215,7 @@ def _load(directory: Path, files: list[str]) -> Split:
         arrays = {f: np.load(directory / f"{f}.npy", mmap_mode="r") for f in ("input_ids", "labels", "offsets")}
         origins = json.loads((directory / "origins.json").read_text())
         report = SplitReport.from_json(json.loads((directory / "report.json").read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # missing, cut short, or not what was written
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # missing, cut short, or not ours
         raise DamagedCache(f"{directory}: {(str(exc).splitlines() or [type(exc).__name__])[0][:200]}") from None
     return _relocate_split(Split(TokenizedData(origins=origins, **arrays), report), _placeholders(files), files)
 
@@ -287,7 +287,10 @@ def prepare_split(
         directory.parent.mkdir(parents=True, exist_ok=True)
         _save(split, directory, files)
     except OSError as exc:  # a full disk, or a cache dir that became unwritable: the data itself is fine
-        print(f"data cache: not written to {directory} ({exc.strerror or exc}); this run goes on without it")
+        why = f"data cache: not written to {directory} ({exc.strerror or exc})"
+        if world_size > 1:  # the other ranks wait for it: say so and stop them, rather than let them time out
+            raise UserError(f"{why}; free space there or set data.cache_dir: null") from None
+        print(f"{why}; this run goes on without it")
     return split, False
 
 

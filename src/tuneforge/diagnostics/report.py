@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tuneforge.diagnostics.recorder import _is_library, read_black_box
-from tuneforge.watchdog import HEARTBEAT_EVERY_S, TRAINING_PHASES, black_box_file, fatal_stacks_file, read_json
+from tuneforge.watchdog import (
+    HEARTBEAT_EVERY_S,
+    TRAINING_PHASES,
+    black_box_file,
+    fatal_stacks_file,
+    process_start_ticks,
+    read_json,
+)
 
 REPORT = "report.txt"
 EXPERT_MODULE = re.compile(r"(^|\.)experts(\.|$)")
@@ -530,6 +537,9 @@ def end_frozen_peers(diagnostics_dir: Path, world_size: int) -> list[str]:
             continue
         if time.time() - beat["updated"] <= STALE_HEARTBEAT_S or not _same_job(int(beat["pid"])):
             continue
+        started = beat.get("pid_started")
+        if started is None or process_start_ticks(int(beat["pid"])) != started:
+            continue  # the pid may name another process now
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(int(beat["pid"]), signal.SIGKILL)
             lines.append(f"rank {rank} (process {beat['pid']}) was not running: killed, so the job ends now")

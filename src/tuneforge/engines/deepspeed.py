@@ -27,9 +27,10 @@ DEEPSPEED_RECORD_TYPES = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
 )
-"""Besides tensors and containers, what DeepSpeed pickles into its checkpoint files: its loss scaler's settings
-and enums (plain attributes, restored without calling code)."""
+"""Besides tensors and containers, what DeepSpeed pickles into its checkpoint files: its loss scaler's settings,
+enums and ZeRO-1/2's parameter slice addresses (plain attributes, restored without calling code)."""
 
 
 def _deepspeed_record_type(name: str) -> bool:

@@ -8,10 +8,13 @@ issues the same all-gathers and reduce-scatters.
 from __future__ import annotations
 
 import contextlib
+import io
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,19 +27,63 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
+from tuneforge.errors import UserError
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.structure import decoder_layers
 from tuneforge.pickle_guard import refuse_unsafe_pickles
 
 
-def _dcp_metadata_type(name: str) -> bool:
-    """The record types of a distributed checkpoint's `.metadata`, and the path type its storage info holds."""
-    module, _, _ = name.rpartition(".")
-    return module == "torch.distributed.checkpoint.metadata" or name in (
-        "torch.distributed.checkpoint.filesystem._StorageInfo",
-        "pathlib.PosixPath",
-        "pathlib.WindowsPath",
+class DataOnlyLoadPlanner(DefaultLoadPlanner):
+    """PyTorch's planner reads a checkpoint's non-tensor values (optimizer settings) with
+    `torch.load(weights_only=False)`: each is first read with the weights-only loader, which refuses anything but
+    data, and only then handed on."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as exc:  # UnpicklingError, and whatever a foreign value raises
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise UserError(
+                f"--resume: a value of the FSDP checkpoint ({read_item.dest_index.fqn}) holds more than data "
+                f"({reason}); tuneforge loads files that hold data only"
+            ) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def load_data_only(state: dict, checkpoint: Path) -> None:
+    """`dcp.load` with `DataOnlyLoadPlanner`; the refusal it raises (wrapped by DCP in a CheckpointException, a
+    BaseException) comes out as itself, any other failure as a RuntimeError naming its first cause."""
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint), planner=DataOnlyLoadPlanner())
+    except CheckpointException as exc:
+        causes = [f[0] if isinstance(f, tuple) and f else f for f in exc.failures.values()]
+        for cause in causes:
+            if isinstance(cause, UserError):
+                raise cause from None
+        first = (str(causes[0]).strip().splitlines() or [""])[0][:300] if causes else ""
+        raise RuntimeError(f"the distributed checkpoint {checkpoint} cannot be read ({first})") from None
+
+
+DCP_METADATA_TYPES = {
+    f"torch.distributed.checkpoint.metadata.{name}"
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
     )
+} | {"torch.distributed.checkpoint.filesystem._StorageInfo", "pathlib.PosixPath", "pathlib.WindowsPath"}
+
+
+def _dcp_metadata_type(name: str) -> bool:
+    """The record types of a distributed checkpoint's `.metadata`, and the path type its storage info holds:
+    those classes by name (the module also holds modules and functions, which a pickle could reach)."""
+    return name in DCP_METADATA_TYPES
 
 
 class FSDPEngine(Engine):
@@ -122,10 +169,12 @@ class FSDPEngine(Engine):
 
     def load_state(self, directory: Path) -> None:
         # PyTorch reads the checkpoint's `.metadata` with pickle.load (its tensors with weights_only=True).
-        refuse_unsafe_pickles([directory / "fsdp" / ".metadata"], _dcp_metadata_type, f"--resume {directory}")
+        refuse_unsafe_pickles(
+            [directory / "fsdp" / ".metadata"], _dcp_metadata_type, f"--resume {directory}", single_pickle=True
+        )
         model_state, optimizer_state = get_state_dict(self._model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=str(directory / "fsdp"))
+        load_data_only(state, directory / "fsdp")
         set_state_dict(
             self._model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )

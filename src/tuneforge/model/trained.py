@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from tuneforge.model.quantized_experts import (
     quantizable_experts,
     quantize_stacked_experts,
 )
-from tuneforge.pickle_guard import refuse_unsafe_pickles
+from tuneforge.pickle_guard import refuse_unsafe_pickles, starts_as_zip
 from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -65,7 +64,9 @@ def check_checkpoint(checkpoint: Path) -> None:
     weights = _weight_files(checkpoint)
     if weights == []:  # PyTorch's pickle format: loaded by transformers with weights_only, scanned first to say why
         bins = sorted(checkpoint.glob("pytorch_model*.bin"))
-        refuse_unsafe_pickles([b for b in bins if zipfile.is_zipfile(b)], lambda _: False, str(checkpoint))
+        # Legacy-format files are left to transformers' weights-only loader, which refuses code the same way.
+        zipped = [b for b in bins if starts_as_zip(b)]
+        refuse_unsafe_pickles(zipped, lambda _: False, str(checkpoint))
     if weights is None:
         expected = ADAPTER_WEIGHTS if is_adapter(checkpoint) else "model.safetensors"
         raise UserError(f"{checkpoint}: no {expected} here: the checkpoint is incomplete; take another one")

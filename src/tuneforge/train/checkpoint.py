@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -72,14 +73,15 @@ def current_umask() -> int:
 
 def share_as_umask_allows(directory: Path) -> None:
     """Give every file and directory under `directory` the modes the umask allows: some writers (safetensors)
-    create files readable by their owner only, which hides a group-shared run's weights from the group."""
+    create files readable by their owner only, which hides a group-shared run's weights from the group. Special
+    bits (a shared directory's setgid) stay; a file system that refuses modes (some network mounts) is left as
+    it is."""
     mask = current_umask()
-    directory.chmod(0o777 & ~mask)
-    for path in directory.rglob("*"):
-        if path.is_dir():
-            path.chmod(0o777 & ~mask)
-        elif path.is_file():
-            path.chmod((0o777 if path.stat().st_mode & 0o100 else 0o666) & ~mask)
+    for path in [directory, *directory.rglob("*")]:
+        with contextlib.suppress(OSError):
+            mode = path.stat().st_mode
+            wanted = 0o777 if path.is_dir() or mode & 0o100 else 0o666
+            path.chmod((mode & 0o7000) | (wanted & ~mask))
 
 
 def commit_checkpoint(tmp: Path, directory: Path) -> Path:

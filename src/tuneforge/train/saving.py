@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
 from transformers import PreTrainedTokenizerBase
 
 from tuneforge.distributed import barrier
@@ -63,29 +64,32 @@ class CheckpointWriter:
         weights = engine.full_state_dict()  # a collective for sharded engines: every rank takes part
         final = self.checkpoints_dir / name
         tmp = temporary_dir(final)
-        errors: list[BaseException] = []
+        errors: list[tuple[BaseException, WriteFault]] = []
         if is_main:
-            self._attempt(errors, lambda: self._fresh(tmp))
+            self._attempt(errors, tmp, lambda: self._fresh(tmp))
         self._agree(errors, tmp, final)
         if point is not None:
-            self._attempt(errors, lambda: self._write_state(tmp))
+            self._attempt(errors, tmp, lambda: self._write_state(tmp))
             self._agree(errors, tmp, final)
         if is_main:
-            self._attempt(errors, lambda: self._write_model(tmp, final, meta, point, weights))
+            self._attempt(errors, tmp, lambda: self._write_model(tmp, final, meta, point, weights))
         self._agree(errors, tmp, final)
         if is_main:
             self.log(f"saved checkpoint {final}")
+            self._prune()
         if point is not None:
             self.last_state_save_s = time.monotonic() - started
         self.beat()
         return final
 
     @staticmethod
-    def _attempt(errors: list[BaseException], write: Callable[[], None]) -> None:
+    def _attempt(errors: list[tuple[BaseException, WriteFault]], tmp: Path, write: Callable[[], None]) -> None:
+        """Run one phase's writes; a failure is kept with its kind, judged while the half-written files are there
+        (removing them frees the space a later look would miss)."""
         try:
             write()
-        except Exception as exc:  # judged, with every rank's, in `_agree`
-            errors.append(exc)
+        except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+            errors.append((exc, classify(exc, tmp)))
 
     @staticmethod
     def _fresh(tmp: Path) -> None:
@@ -108,27 +112,38 @@ class CheckpointWriter:
         else:
             shutil.rmtree(tmp / TRAINING_STATE)
         commit_checkpoint(tmp, final)
-        prune_checkpoints(self.checkpoints_dir, self.keep_last)
 
-    def _agree(self, errors: list[BaseException], tmp: Path, final: Path) -> None:
+    def _prune(self) -> None:
+        """After the commit: a checkpoint that cannot be removed is said, and the run goes on (the new one is
+        written; the disk fills sooner, and the next save says so if it does)."""
+        try:
+            prune_checkpoints(self.checkpoints_dir, self.keep_last)
+        except OSError as exc:
+            self.log(f"warning: an old checkpoint could not be removed ({exc}); checkpoint.keep_last not kept")
+
+    def _agree(self, errors: list[tuple[BaseException, WriteFault]], tmp: Path, final: Path) -> None:
         """Every rank learns which faults any rank met; on any, the half-written directory goes and every rank
-        stops: with one message for a fault of the disk, or its own error where it was another kind."""
+        stops: with one message for a fault of the disk, or its own error where it was another kind (a rank
+        with such an error raises it at once; the others do not wait for a message then)."""
         mine = [0.0] * len(WriteFault)
-        for exc in errors:
-            mine[classify(exc, tmp)] = 1.0
+        for _, fault in errors:
+            mine[fault] = 1.0
         votes = self.engine.sum_across_ranks(mine)
         if not any(votes):
             return
         written = directory_bytes_or_zero(tmp)
         if self.engine.info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        if errors and classify(errors[0], tmp) == WriteFault.OTHER:
-            raise errors[0]
-        faults = [fault for fault in WriteFault if votes[fault] and fault != WriteFault.OTHER]
-        if not faults:
+        if errors and errors[0][1] == WriteFault.OTHER:
+            raise errors[0][0]
+        if votes[WriteFault.OTHER]:
             raise SharedUserError(f"checkpoint {final} not written: another rank failed writing it (its error above)")
-        reason = errors[0] if errors else None
-        message = self.explain(faults[0], final, written, reason)
+        faults = [fault for fault in WriteFault if votes[fault]]
+        reason = errors[0][0] if errors else None
+        try:
+            message = self.explain(faults[0], final, written, reason)
+        except OSError:  # the disk is failing under the explanation too
+            message = f"checkpoint {final} not written: {faults[0].name.lower().replace('_', ' ')}"
         if self.engine.info.is_main:
             print(f"error: {message}", file=sys.stderr, flush=True)
         # The others exit only once it is said: the launcher stops every rank as soon as the first one ends.

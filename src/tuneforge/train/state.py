@@ -84,14 +84,18 @@ def load_rng(directory: Path, rank: int) -> None:
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise UserError(f"--resume: {path} is not readable ({reason}); resume from another checkpoint") from None
     cuda = [tensors[f"cuda.{index}"] for index in range(len(tensors)) if f"cuda.{index}" in tensors]
-    _set_rng(
-        {
-            "torch": tensors["torch"],
-            "cuda": cuda or None,
-            "python": (version, tuple(tensors["python"].tolist()), gauss_next),
-            "numpy": (name, tensors["numpy"].numpy().astype(np.uint32), position, has_gauss, cached_gaussian),
-        }
-    )
+    try:
+        _set_rng(
+            {
+                "torch": tensors["torch"],
+                "cuda": cuda or None,
+                "python": (version, tuple(tensors["python"].tolist()), gauss_next),
+                "numpy": (name, tensors["numpy"].numpy().astype(np.uint32), position, has_gauss, cached_gaussian),
+            }
+        )
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # states of another shape than written
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"--resume: {path} holds no usable generator states ({reason})") from None
 
 
 def _legacy_rng(path: Path) -> dict:
@@ -146,10 +150,12 @@ def data_changed_note(point: ResumePoint, checkpoint: Path, now: str, steps_per_
     if point.train_data is None or point.train_data == now:
         return None
     then_count, now_count = point.train_data.split(":")[0], now.split(":")[0]
+    if not then_count.isdigit():
+        then_count = "?"
     epoch, into = divmod(point.step, steps_per_epoch)
     return (
-        f"resume: the training data changed since {checkpoint} was written ({int(then_count):,} samples then, "
-        f"{int(now_count):,} now, or their lengths differ): the run continues after step {point.step} by the new "
+        f"resume: the training data changed since {checkpoint} was written ({then_count} samples then, "
+        f"{now_count} now, or their lengths differ): the run continues after step {point.step} by the new "
         f"data's plan, at epoch {epoch}, step {into + 1} of {steps_per_epoch} in it, so samples of the new data may "
         "be skipped or seen twice this epoch. To train on the new data from its start, begin a new run from "
         "this checkpoint's weights instead"

@@ -50,6 +50,10 @@ def _errnos(exc: BaseException) -> list[int]:
         if isinstance(exc, OSError) and exc.errno is not None:
             found.append(exc.errno)
         found += [int(next(g for g in match.groups() if g)) for match in _ERRNO_IN_TEXT.finditer(str(exc))]
+        for wrapped in getattr(exc, "failures", {}).values():  # DCP's CheckpointException: (error, trace) per rank
+            wrapped = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+            if isinstance(wrapped, BaseException):
+                found += _errnos(wrapped)
         exc = exc.__cause__ or exc.__context__
     return found
 
@@ -82,7 +86,7 @@ def classify(exc: BaseException, written_into: Path) -> WriteFault:
     for number in _errnos(exc):
         if number in FAULT_ERRNOS:
             return FAULT_ERRNOS[number]
-    if not isinstance(exc, OSError | RuntimeError):
+    if not isinstance(exc, OSError | RuntimeError) and not hasattr(exc, "failures"):
         return WriteFault.OTHER
     # The writer kept the errno to itself: ask the file system what a write there meets now.
     existing = written_into if written_into.exists() else written_into.parent
