@@ -16,7 +16,7 @@ import pytest
 
 from tuneforge.train.checkpoint import checkpoint_problems
 
-from conftest import TINY_LLAMA, TUNEFORGE, chat, free_port, launch, metrics, write_jsonl
+from conftest import ENGINES, TINY_LLAMA, TUNEFORGE, chat, free_port, launch, metrics, write_jsonl
 
 CONFIG = (
     TINY_LLAMA
@@ -119,14 +119,15 @@ def assert_stopped_with_one_message(result, head: str) -> str:
     return errors[0]
 
 
-def test_a_disk_that_fills_during_a_checkpoint_stops_every_rank_and_keeps_the_previous_one(tmp_path):
-    """The work dir on a 1,000 KiB file system: step-2 (about 650 KiB) fits, step-4 does not. torch.save reports
-    the full disk without its errno; the run still says why, removes the half-written directory, and continues
-    once there is room."""
+@pytest.mark.parametrize(("engine", "size"), [("ddp", "1000k"), ("zero3_offload", "1400k")])
+def test_a_disk_that_fills_during_a_checkpoint_stops_every_rank_and_keeps_the_previous_one(tmp_path, engine, size):
+    """The work dir on a file system that holds step-2 (about 650 KiB under DDP, 700 KiB under the report's
+    ZeRO-3 with offload) but not step-4 too. torch.save reports the full disk without its errno; the run still
+    says why, removes the half-written directory, and continues once there is room."""
     write_job(tmp_path)
-    with small_filesystem(tmp_path / "disk", "1000k") as disk:
+    with small_filesystem(tmp_path / "disk", size) as disk:
         run = disk / "run"
-        result = launch(tmp_path / "cfg.yaml", run, ranks=2)
+        result = launch(tmp_path / "cfg.yaml", run, *ENGINES[engine], ranks=2)
         checkpoints = run / "checkpoints"
         message = assert_stopped_with_one_message(result, f"checkpoint {checkpoints / 'step-4'} not written: no space")
         assert f"free on the disk of {checkpoints}; a checkpoint of this run takes about " in message
@@ -135,7 +136,7 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_every_rank_and_keeps_the_pr
         assert checkpoint_problems(checkpoints / "step-2") == []
 
         subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
-        resumed = launch(tmp_path / "cfg.yaml", run, "--resume", "auto", ranks=2)
+        resumed = launch(tmp_path / "cfg.yaml", run, *ENGINES[engine], "--resume", "auto", ranks=2)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert [r["step"] for r in metrics(run)] == list(range(1, 9))
 
