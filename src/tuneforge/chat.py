@@ -51,9 +51,9 @@ def run_chat(
         except EOFError:
             print()
             return
-        except UnicodeDecodeError:
-            text = "\udcff"  # answered below like any other line that is not text
-        if not _is_text(text):
+        except UnicodeDecodeError:  # a strict terminal encoding refuses the line itself
+            text = None
+        if text is None or not _is_text(text):
             print("(not UTF-8 text: nothing sent; type the line again)")
             continue
         if not text.strip():

@@ -30,3 +30,9 @@ class StoppedBySignal(Exception):
         self.checkpoint = checkpoint
         saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint written for it"
         super().__init__(f"stopped by {signal_name} after step {step} of {total_steps}; {saved}")
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message (its type's name when it has none), cut to `limit` characters: how
+    a library's multi-line error is quoted inside one of ours."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]

@@ -14,7 +14,7 @@ from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as elastic_run
 
 from tuneforge.diagnostics.report import REPORT, build_report
-from tuneforge.errors import UserError
+from tuneforge.errors import UserError, first_line
 from tuneforge.watchdog import STALL_EXIT_CODE, STOPPED
 
 USER_ERROR_EXIT = 2
@@ -50,7 +50,7 @@ def launch_workers(
     try:
         elastic_run(args)
     except DistNetworkError as exc:  # the rendezvous could not listen or connect
-        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        reason = first_line(exc, 300)
         raise UserError(
             f"the launcher's rendezvous on {master_addr}:{master_port} failed ({reason}); check --master-addr and "
             "--master-port (a free port on node 0, reachable from every node)"

@@ -23,7 +23,7 @@ from tuneforge.data.report import DropLog, SplitReport, length_stats
 from tuneforge.data.sources import MALFORMED_JSON, read_records
 from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate
 from tuneforge.data.tokenize import TokenizedData, tokenize
-from tuneforge.errors import UserError
+from tuneforge.errors import UserError, first_line
 
 DATA_VERSION = "3"
 """Bump when tokenization output or the cache layout changes (3: a manifest of file sizes), so stale caches are
@@ -216,7 +216,7 @@ def _load(directory: Path, files: list[str]) -> Split:
         origins = json.loads((directory / "origins.json").read_text())
         report = SplitReport.from_json(json.loads((directory / "report.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # missing, cut short, or not ours
-        raise DamagedCache(f"{directory}: {(str(exc).splitlines() or [type(exc).__name__])[0][:200]}") from None
+        raise DamagedCache(f"{directory}: {first_line(exc)}") from None
     return _relocate_split(Split(TokenizedData(origins=origins, **arrays), report), _placeholders(files), files)
 
 

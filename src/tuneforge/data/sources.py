@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tuneforge.errors import UserError
+from tuneforge.errors import UserError, first_line
 
 MALFORMED_JSON = "malformed JSON"
 NESTED_TOO_DEEP = "nested deeper than Python's JSON reader goes; no chat sample is"
@@ -120,7 +120,7 @@ def _read_parquet(path: Path) -> Iterator[RawRecord]:
     try:
         dataset = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
     except Exception as exc:  # pyarrow raises several types for a file that is not parquet
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        first = first_line(exc)
         raise UserError(
             f"{path}: not a readable parquet file ({first}); check the file, or give it its real suffix"
         ) from None
@@ -133,7 +133,7 @@ def _read_saved_dataset(path: Path, split: str) -> Iterator[RawRecord]:
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as exc:  # a partly copied or foreign directory
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        first = first_line(exc)
         raise UserError(f"{path}: not a readable saved dataset ({first}); save it again with save_to_disk") from None
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:

@@ -103,10 +103,12 @@ def tokenize(
     kept = []
     truncated = 0
     bound = max_length * CHARS_PER_TOKEN_BOUND
-    fits = [c for c in conversations if _characters(c, truncation) <= bound]
-    for conversation in conversations if len(fits) < len(conversations) else []:
+    fits = []
+    for conversation in conversations:
         if (count := _characters(conversation, truncation)) > bound:
             drops.add(TOO_LONG, f"{conversation.origin} ({count:,} characters, not tokenized)")
+        else:
+            fits.append(conversation)
     conversations = fits
     for start in range(0, len(conversations), chunk_size):
         chunk = conversations[start : start + chunk_size]

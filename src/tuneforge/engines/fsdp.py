@@ -27,7 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
-from tuneforge.errors import UserError
+from tuneforge.errors import UserError, first_line
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.structure import decoder_layers
 from tuneforge.pickle_guard import refuse_unsafe_pickles
@@ -42,7 +42,7 @@ class DataOnlyLoadPlanner(DefaultLoadPlanner):
         try:
             torch.load(value, weights_only=True)
         except Exception as exc:  # UnpicklingError, and whatever a foreign value raises
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            reason = first_line(exc)
             raise UserError(
                 f"--resume: a value of the FSDP checkpoint ({read_item.dest_index.fqn}) holds more than data "
                 f"({reason}); tuneforge loads files that hold data only"
@@ -61,7 +61,7 @@ def load_data_only(state: dict, checkpoint: Path) -> None:
         for cause in causes:
             if isinstance(cause, UserError):
                 raise cause from None
-        first = (str(causes[0]).strip().splitlines() or [""])[0][:300] if causes else ""
+        first = first_line(causes[0], 300) if causes else ""
         raise RuntimeError(f"the distributed checkpoint {checkpoint} cannot be read ({first})") from None
 
 

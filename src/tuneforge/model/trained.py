@@ -20,7 +20,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from tuneforge.config.schema import QuantizationConfig
-from tuneforge.errors import UserError
+from tuneforge.errors import UserError, first_line
 from tuneforge.model.adapters import exact_targets
 from tuneforge.model.build import DTYPES, native_architecture
 from tuneforge.model.expert_lora import grouped_layers
@@ -75,7 +75,7 @@ def check_checkpoint(checkpoint: Path) -> None:
             with safe_open(file, framework="pt"):  # reads the header and checks the size it announces
                 pass
         except Exception as exc:  # safetensors raises its own error type for a truncated or foreign file
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            reason = first_line(exc)
             raise UserError(f"{file}: not readable ({reason}): the checkpoint is damaged; take another one") from None
 
 
@@ -120,7 +120,7 @@ def allow_remote_code(path: str, trust_remote_code: bool, recorded: bool = False
         AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, OSError) as exc:
         if "trust_remote_code" not in str(exc) and "auto_map" not in str(exc):
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            reason = first_line(exc, 300)
             raise UserError(f"{path}: the model's config.json cannot be read ({reason})") from None
         trained = " (it was trained with model.trust_remote_code: true)" if recorded else ""
         raise UserError(
@@ -185,7 +185,7 @@ def loading(what: str, path: Path | str) -> Iterator[None]:
     try:
         yield
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        reason = first_line(exc, 300)
         raise UserError(
             f"{path}: the {what} cannot be loaded ({type(exc).__name__}: {reason}); its files are damaged or do not "
             "belong together: take another checkpoint"

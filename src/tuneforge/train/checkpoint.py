@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tuneforge.errors import UserError
+from tuneforge.errors import UserError, first_line
 from tuneforge.model.portable_adapter import make_portable
 
 CHAT_META = "tuneforge.json"
@@ -184,7 +184,7 @@ def read_chat_meta(checkpoint: Path) -> dict[str, Any] | None:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        reason = first_line(exc)
         raise UserError(f"{path}: not readable ({reason}); the checkpoint is damaged, take another one") from None
     if not isinstance(meta, dict):
         raise UserError(f"{path}: holds {type(meta).__name__}, not tuneforge's record of the checkpoint")

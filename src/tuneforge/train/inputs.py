@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 from tuneforge.config.schema import Config, ModelConfig
 from tuneforge.errors import UserError
+from tuneforge.train.write_faults import nearest_existing
 
 HUB_TIMEOUT_S = 3.0
 MODEL_FILES = ("config.json",)
@@ -118,9 +119,7 @@ def _reachable(endpoint: str) -> bool:
 
 def writable_problems(what: str, directory: Path) -> list[str]:
     """The directory, or the nearest ancestor that exists, must be a writable directory."""
-    existing = directory.resolve()
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(directory.resolve())
     if not existing.is_dir():
         return [f"{what} {directory}: {existing} is a file, not a directory; choose another path"]
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -187,9 +186,7 @@ def checkpoint_bytes(total: int, trainable: int, weight_bytes: int, adapter: boo
 
 def disk_room_problems(directory: Path, needed: int, keep: int | None) -> tuple[list[str], list[str]]:
     """(errors, warnings) for `needed` bytes per checkpoint in `directory` (or its nearest existing parent)."""
-    existing = directory.resolve()
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(directory.resolve())
     free = shutil.disk_usage(existing).free
     gib = f"{needed / 2**30:.2f} GiB"
     if free < needed:

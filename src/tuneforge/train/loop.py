@@ -169,6 +169,7 @@ class Trainer:
             cfg.log.every_steps,
         )
         self.checkpoints_dir = parts.work_dir / "checkpoints"
+        self.data_signature = parts.planner.data.signature()  # recorded in every step checkpoint
         self.writer = CheckpointWriter(
             parts.engine,
             parts.tokenizer,
@@ -456,6 +457,6 @@ class Trainer:
                 self.best_val_loss if self.best_val_loss < float("inf") else None,
                 self.parts.run_id or None,
                 self.parts.layout.size,
-                self.parts.planner.data.signature(),
+                self.data_signature,
             )
         self.writer.save(name, {**self.chat_meta, "step": step}, point)

@@ -24,7 +24,7 @@ from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.distributed import DistInfo, Layout, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
 from tuneforge.engines import Engine, EngineTraits, build_engine, choose_engine, engine_traits
-from tuneforge.errors import UserError
+from tuneforge.errors import UserError, first_line
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model import packed_attention
 from tuneforge.model.adapters import make_trainable
@@ -193,7 +193,7 @@ def resume_from(
     try:
         engine.load_state(checkpoint / TRAINING_STATE)
     except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        reason = first_line(exc, 300)
         older = [str(p) for s, p in step_checkpoints(checkpoint.parent) if s < point.step]
         fallback = f"; an older one: --resume {older[-1]}" if older else ""
         raise UserError(f"--resume {checkpoint}: its training state cannot be read ({reason}){fallback}") from None

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tuneforge.distributed import barrier
 from tuneforge.engines import Engine
-from tuneforge.errors import SharedUserError
+from tuneforge.errors import SharedUserError, first_line
 from tuneforge.train.checkpoint import (
     commit_checkpoint,
     directory_bytes,
@@ -30,7 +30,7 @@ from tuneforge.train.checkpoint import (
     write_model_files,
 )
 from tuneforge.train.state import TRAINING_STATE, ResumePoint, save_rng, write_state
-from tuneforge.train.write_faults import WriteFault, classify, file_size_limit
+from tuneforge.train.write_faults import WriteFault, classify, file_size_limit, nearest_existing
 
 
 class CheckpointWriter:
@@ -156,7 +156,7 @@ class CheckpointWriter:
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
         head = f"checkpoint {final} not written"
         if fault == WriteFault.NOT_WRITABLE:
-            why = f" ({_first_line(reason)})" if reason is not None else ""
+            why = f" ({first_line(reason)})" if reason is not None else ""
             return (
                 f"{head}: {checkpoints} is not writable{why}; {kept}. Make it writable again (or move the work "
                 "dir), then continue with --resume auto"
@@ -173,7 +173,7 @@ class CheckpointWriter:
                 f"run takes {size}); {kept}. Raise the limit (`ulimit -f unlimited`), then continue with "
                 "--resume auto"
             )
-        free = size_text(shutil.disk_usage(_existing(checkpoints)).free)
+        free = size_text(shutil.disk_usage(nearest_existing(checkpoints)).free)
         return (
             f"{head}: no space left ({free} free on the disk of {checkpoints}; a checkpoint of this run "
             f"takes {size}); {kept}. Free space or lower checkpoint.keep_last, then continue with --resume auto"
@@ -195,13 +195,3 @@ def directory_bytes_or_zero(directory: Path) -> int:
         return directory_bytes(directory) if directory.exists() else 0
     except OSError:
         return 0
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _first_line(exc: BaseException) -> str:
-    return ((str(exc).splitlines() or [type(exc).__name__])[0])[:200]

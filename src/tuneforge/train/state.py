@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tuneforge.config.schema import QuantizationConfig
-from tuneforge.errors import UserError
+from tuneforge.errors import UserError, first_line
 from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta, step_checkpoints
 
 TRAINING_STATE = "training_state"
@@ -81,7 +81,7 @@ def load_rng(directory: Path, rank: int) -> None:
         version, gauss_next = json.loads(scalars["python"])
         name, position, has_gauss, cached_gaussian = json.loads(scalars["numpy"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        reason = first_line(exc)
         raise UserError(f"--resume: {path} is not readable ({reason}); resume from another checkpoint") from None
     cuda = [tensors[f"cuda.{index}"] for index in range(len(tensors)) if f"cuda.{index}" in tensors]
     try:
@@ -94,7 +94,7 @@ def load_rng(directory: Path, rank: int) -> None:
             }
         )
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # states of another shape than written
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        reason = first_line(exc)
         raise UserError(f"--resume: {path} holds no usable generator states ({reason})") from None
 
 
@@ -107,7 +107,7 @@ def _legacy_rng(path: Path) -> dict:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, weights_only=True)
     except Exception as exc:  # UnpicklingError and whatever a foreign file raises: the reason goes to the user
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        reason = first_line(exc, 300)
         raise UserError(
             f"--resume: {path} holds more than random-generator states ({reason}); tuneforge does not load "
             "files that could run code. Resume from a checkpoint you wrote, or start a new run"
@@ -140,7 +140,7 @@ def read_state(checkpoint: Path) -> ResumePoint:
         _check_types(point)
         return point
     except (OSError, ValueError, TypeError, AttributeError) as exc:  # cut short, edited, or not ours
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        reason = first_line(exc)
         raise UserError(f"--resume {checkpoint}: {path} is not readable ({reason}); take another checkpoint") from None
 
 

@@ -58,10 +58,16 @@ def _errnos(exc: BaseException) -> list[int]:
     return found
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where a write into `path` would meet the file system)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _probe(directory: Path) -> int | None:
     """The errno a small write into `directory` (or the nearest existing parent) fails with; None if it works."""
-    while not directory.exists() and directory != directory.parent:
-        directory = directory.parent
+    directory = nearest_existing(directory)
     probe = directory / f".tuneforge-probe-{uuid.uuid4().hex[:8]}"
     try:
         with probe.open("wb") as handle:
@@ -89,8 +95,7 @@ def classify(exc: BaseException, written_into: Path) -> WriteFault:
     if not isinstance(exc, OSError | RuntimeError) and not hasattr(exc, "failures"):
         return WriteFault.OTHER
     # The writer kept the errno to itself: ask the file system what a write there meets now.
-    existing = written_into if written_into.exists() else written_into.parent
-    if existing.exists() and shutil.disk_usage(existing).free < LOW_SPACE_BYTES:
+    if shutil.disk_usage(nearest_existing(written_into)).free < LOW_SPACE_BYTES:
         return WriteFault.NO_SPACE
     probed = _probe(written_into)
     if probed is not None:
