@@ -139,6 +139,7 @@ class StallWatchdog:
         self.step_multiple = step_multiple
         self.grace_s = grace_s
         self.recorder = recorder
+        self.pid_started = process_start_ticks(os.getpid())  # names this process in heartbeats, with its pid
         self.phase = "startup"
         self.step = 0
         self.total_steps: int | None = None
@@ -416,7 +417,7 @@ class StallWatchdog:
             "world_size": self.world_size,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "pid_started": process_start_ticks(os.getpid()),
+            "pid_started": self.pid_started,
             "phase": self.phase,
             "step": self.step,
             "total_steps": self.total_steps,
