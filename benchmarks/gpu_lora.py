@@ -61,6 +61,7 @@ from tuneforge.estimate.hardware import ACCELERATORS, Accelerator, local_acceler
 from tuneforge.model.adapters import apply_lora
 from tuneforge.model.moe import find_moe
 from tuneforge.train.loop import accumulate_gradients
+from tuneforge.train.objectives import build_objective
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.telemetry import active_matmul_parameters, model_flops_per_token
 
@@ -177,11 +178,12 @@ def peak_gib(device: torch.device) -> float:
 
 def run_tuneforge(model, batches: list[MicroBatch], device: torch.device, profiled: bool = True) -> Measured:
     engine = SingleEngine(model, lambda m: build_optimizer(m, train_settings()), None)
+    objective = build_objective(engine, "bf16")
     seconds, tokens, trained, slots = 0.0, 0, 0, 0
     for index, batch in enumerate(batches):
         synchronize(device)
         start = time.perf_counter()
-        accumulated = accumulate_gradients(engine, [batch], "bf16")
+        accumulated = accumulate_gradients(engine, [batch], objective)
         engine.step(1e-4, 1.0)
         synchronize(device)
         if index >= WARMUP:
@@ -204,11 +206,12 @@ def busy_share(engine: SingleEngine, batches: list[MicroBatch], device: torch.de
 
     if device.type != "cuda":
         return None
+    objective = build_objective(engine, "bf16")
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         synchronize(device)
         start = time.perf_counter()
         for batch in batches:
-            accumulate_gradients(engine, [batch], "bf16")
+            accumulate_gradients(engine, [batch], objective)
             engine.step(1e-4, 1.0)
         synchronize(device)
         wall = time.perf_counter() - start

@@ -4,7 +4,7 @@
 
 For each length L and size N, one Llama-architecture model (random weights, byte vocabulary) trains on one row
 holding one sample of L tokens: N = 1 in one process, N > 1 under `torchrun --nproc-per-node N` through
-tuneforge's own sharding (`shard_rows`), inputs (`model_inputs`) and loss (`loss_sum`), gloo on CPU or NCCL
+tuneforge's own sharding (`shard_rows`), inputs (`model_inputs`) and loss (`TokenForward`), gloo on CPU or NCCL
 on GPUs. Per rank it reports the bytes autograd keeps for backward (the activations: every tensor saved by a
 forward, counted once per storage), the process's peak resident memory, and the step time (median of the
 timed steps after one warm-up). Tokens/s counts the whole row once, over all ranks. The ratios are against
@@ -30,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tuneforge.data.batching import MicroBatch, shard_rows
 from tuneforge.distributed import Layout
 from tuneforge.model import packed_attention, sequence_parallel
-from tuneforge.train.loss import loss_sum
+from tuneforge.objective import TokenForward
 
 
 def whole_row(length: int, vocab: int) -> MicroBatch:
@@ -79,12 +79,13 @@ def worker(args: argparse.Namespace) -> None:
     model.set_attn_implementation(packed_attention.register())
     batch = shard_rows(whole_row(args.length, 256), layout.shard, layout.size)
     precision = "bf16" if device.type == "cuda" else "fp32"
+    forward = TokenForward(model, model, precision)
     times, activations = [], 0
     for step in range(1 + args.steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        activations, loss = saved_bytes(lambda: loss_sum(model, batch, precision))
+        activations, loss = saved_bytes(lambda: forward.cross_entropy_sum(batch))
         loss.backward()
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":

@@ -201,6 +201,21 @@ def single_engine(model):
     return SingleEngine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
 
 
+def accumulate(engine, batches, precision: str = "fp32", balance=None):
+    """One step's gradients through `engine` with the SFT objective, as the training loop builds it."""
+    from tuneforge.train.loop import accumulate_gradients
+    from tuneforge.train.objectives import build_objective
+
+    return accumulate_gradients(engine, batches, build_objective(engine, precision, balance))
+
+
+def loss_sum(model, batch, precision: str = "fp32", fuse: bool = True):
+    """The summed cross-entropy of `batch` through a plain model (no engine)."""
+    from tuneforge.objective import TokenForward
+
+    return TokenForward(model, model, precision, fuse).cross_entropy_sum(batch)
+
+
 def tiny_mixtral(tokenizer, seed: int = 0):
     """A tiny Mixtral: 4 experts stacked in 3-D parameters, top-2 routing."""
     from transformers import MixtralConfig, MixtralForCausalLM

@@ -10,9 +10,8 @@ from tuneforge.data.batching import collate
 from tuneforge.engines import engine_traits
 from tuneforge.errors import UserError
 from tuneforge.model.compile import check_compiler, compile_elementwise
-from tuneforge.train.loop import accumulate_gradients
 
-from conftest import chat, rows_batch, single_engine, tiny_llama, tokenized
+from conftest import accumulate, chat, rows_batch, single_engine, tiny_llama, tokenized
 
 RECORDS = [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("c" * 12, "mid reply")]
 
@@ -27,8 +26,8 @@ def test_compiled_layers_give_eager_losses_and_gradients(tokenizer):
     eager, compiled = tiny_llama(tokenizer, seed=1), tiny_llama(tokenizer, seed=1)
     assert compile_elementwise(compiled) == 2 * 3 + 1  # two norms and an MLP per layer, the final norm
     for batch in batches:
-        expected = accumulate_gradients(single_engine(eager), [batch], "fp32")
-        got = accumulate_gradients(single_engine(compiled), [batch], "fp32")
+        expected = accumulate(single_engine(eager), [batch], "fp32")
+        got = accumulate(single_engine(compiled), [batch], "fp32")
         assert got.loss == pytest.approx(expected.loss, abs=1e-6)
         for (name, mine), theirs in zip(compiled.named_parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-6, rtol=1e-5, msg=name)

@@ -10,11 +10,11 @@ from tuneforge.config.schema import LoraSettings
 from tuneforge.data.batching import collate
 from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.model.adapters import apply_lora
-from tuneforge.train import fused_loss
-from tuneforge.train.fused_loss import linear_cross_entropy_sum
-from tuneforge.train.loss import fused_output_layer, loss_sum
+from tuneforge.objective import fused_loss
+from tuneforge.objective.forward import fused_output_layer
+from tuneforge.objective.fused_loss import linear_cross_entropy_sum
 
-from conftest import chat, tiny_deepseek_v2, tiny_llama, tokenized
+from conftest import chat, loss_sum, tiny_deepseek_v2, tiny_llama, tokenized
 
 
 def reference(model, batch) -> torch.Tensor:
@@ -104,7 +104,7 @@ def test_confidently_wrong_rows_keep_an_exact_loss():
 def test_the_gpu_form_without_a_branch_gives_the_cpu_form_losses_and_probabilities():
     """GPUs take log-sum-exp minus the target logit for every row (no data-dependent branch, so no host sync);
     the CPU overwrites the logits and recomputes only underflowing rows. Same numbers, rows like that included."""
-    from tuneforge.train.fused_loss import _softmax_and_loss
+    from tuneforge.objective.fused_loss import _softmax_and_loss
 
     generator = torch.Generator().manual_seed(0)
     part = torch.randn(6, 8, generator=generator)
@@ -157,7 +157,7 @@ def test_a_second_backward_through_the_same_loss_is_refused():
 
 def test_gpu_chunks_are_sized_by_memory_and_cpu_chunks_by_cache():
     """A GPU chunk fills its memory budget (tall matmuls, few launches); a CPU chunk stays cache-sized."""
-    from tuneforge.train.fused_loss import GPU_CHUNK_BYTES, LOGIT_BYTES, chunk_rows
+    from tuneforge.objective.fused_loss import GPU_CHUNK_BYTES, LOGIT_BYTES, chunk_rows
 
     for vocab in (32_000, 102_400, 128_256):
         rows = chunk_rows(100_000, vocab, on_gpu=True)

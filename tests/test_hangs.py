@@ -92,12 +92,14 @@ def test_one_rank_with_one_more_batch(tmp_path):
 
 
 def test_a_straggler_in_data_loading_is_slow_not_hung(tmp_path):
-    result, report, _ = run_with_fault(tmp_path, "sleep_data:1:2:3")
+    # Step 3: DDP's first synchronised step (step 2) rebuilds its buckets with a broadcast made in C++, which
+    # no recorder sees; from then on the wait is in the recorded gradient all-reduce.
+    result, report, _ = run_with_fault(tmp_path, "sleep_data:1:3:3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 4/4" in result.stdout and report == ""
     slow = [line for line in result.stderr.splitlines() if "slow, not hung" in line]
     assert slow, result.stderr[-3000:]
-    assert "for rank 1, which is busy in phase 'data' at step 2" in slow[0] and "straggler: rank 1" in slow[0]
+    assert "for rank 1, which is busy in phase 'data' at step 3" in slow[0] and "straggler: rank 1" in slow[0]
 
 
 def test_a_rank_killed_with_sigkill_then_diagnose_prints_the_report_again_and_dumps_a_live_job(tmp_path):
@@ -110,45 +112,46 @@ def test_a_rank_killed_with_sigkill_then_diagnose_prints_the_report_again_and_du
     again = subprocess.run([TUNEFORGE, "diagnose", str(tmp_path / "failed" / "run")], capture_output=True, text=True)
     assert again.returncode == 0 and again.stdout.strip() == report.strip()
 
-    # A live job: rank 1 sleeps 8 s loading data at step 2 (under the 20 s limit); rank 0 waits in an all-reduce.
+    # A live job: rank 1 sleeps 8 s loading data at step 3 (under the 20 s limit); rank 0 waits in an all-reduce.
     live = tmp_path / "live"
     job = start_with_a_straggler(live, stall_timeout_s=20, sleep_s=8)
-    # Ask once rank 1's heartbeat says it loads step 2 and rank 0's that it waits in a collective of step 2.
+    # Ask once rank 1's heartbeat says it loads step 3 and rank 0's that it waits in a collective of step 3.
     heartbeats = live / "run" / "diagnostics" / "live"
-    wait_for_heartbeat(heartbeats / "rank-1.json", lambda beat: beat["step"] == 2 and beat["phase"] == "data")
-    wait_for_heartbeat(heartbeats / "rank-0.json", lambda beat: beat["step"] == 2 and beat["in_flight"] is not None)
+    wait_for_heartbeat(heartbeats / "rank-1.json", lambda beat: beat["step"] == 3 and beat["phase"] == "data")
+    wait_for_heartbeat(heartbeats / "rank-0.json", lambda beat: beat["step"] == 3 and beat["in_flight"] is not None)
     dump = subprocess.run([TUNEFORGE, "diagnose", "--live", str(live / "run")], capture_output=True, text=True)
     _, err = job.communicate(timeout=120)
     assert job.returncode == 0, err[-3000:]  # the live dump did not stop the job
     assert "(2/2 ranks answered)" in dump.stdout, dump.stdout + dump.stderr
-    assert "rank 1: phase data, step 2" in dump.stdout and "in _inject_data_fault" in dump.stdout
-    assert "rank 0: phase forward/backward, step 2" in dump.stdout and "waiting in #" in dump.stdout
+    assert "rank 1: phase data, step 3" in dump.stdout and "in _inject_data_fault" in dump.stdout
+    assert "rank 0: phase forward/backward, step 3" in dump.stdout and "waiting in #" in dump.stdout
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_at_a_step_end_with_a_checkpoint(tmp_path):
     """How SLURM and Kubernetes stop a job: SIGTERM to the launcher, which passes it on to the ranks. Rank 1 is
-    loading step 2's data (slowly), rank 0 waits for it in a collective: neither is stuck, so both finish step 2,
+    loading step 3's data (slowly), rank 0 waits for it in a collective: neither is stuck, so both finish step 3,
     save it and exit with 143 and the resume command; no hang is diagnosed."""
     job = start_with_a_straggler(tmp_path, stall_timeout_s=30, sleep_s=6)
     heartbeats = tmp_path / "run" / "diagnostics" / "live"
-    wait_for_heartbeat(heartbeats / "rank-1.json", lambda beat: beat["step"] == 2 and beat["phase"] == "data")
+    wait_for_heartbeat(heartbeats / "rank-1.json", lambda beat: beat["step"] == 3 and beat["phase"] == "data")
     job.send_signal(signal.SIGTERM)
     out, err = job.communicate(timeout=120)
     assert job.returncode == 143, err[-3000:]
-    assert "stopping after step 2: SIGTERM received by 2 of 2 rank(s)" in out
-    assert "tuneforge: stopped by SIGTERM after step 2 of 4; checkpoint " in err and "--resume auto" in err
-    assert (tmp_path / "run" / "checkpoints" / "step-2" / "model.safetensors").exists()
+    assert "stopping after step 3: SIGTERM received by 2 of 2 rank(s)" in out
+    assert "tuneforge: stopped by SIGTERM after step 3 of 4; checkpoint " in err and "--resume auto" in err
+    assert (tmp_path / "run" / "checkpoints" / "step-3" / "model.safetensors").exists()
     assert not (tmp_path / "run" / "diagnostics" / "report.txt").exists() and "diagnosis" not in err
 
 
 def start_with_a_straggler(directory, stall_timeout_s: float, sleep_s: float) -> subprocess.Popen:
-    """A 2-rank DDP job in the background whose rank 1 sleeps `sleep_s` loading step 2's data."""
+    """A 2-rank DDP job in the background whose rank 1 sleeps `sleep_s` loading step 3's data (from step 3 on, DDP's
+    wait is in its recorded gradient all-reduce: step 2 rebuilds its buckets with a broadcast made in C++)."""
     write_jsonl(directory / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
     config = CONFIG.format(engine="ddp").replace("stall_timeout_s: 4", f"stall_timeout_s: {stall_timeout_s:g}")
     (directory / "cfg.yaml").write_text(config)
     command = [TUNEFORGE, "train", str(directory / "cfg.yaml"), "--work-dir", str(directory / "run")]
     command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
-    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": f"sleep_data:1:2:{sleep_s:g}"}
+    env = {**os.environ, "TUNEFORGE_INJECT_FAULT": f"sleep_data:1:3:{sleep_s:g}"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

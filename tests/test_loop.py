@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tuneforge.engines.base import global_grad_norm
-from tuneforge.train.loop import accumulate_gradients, steps_per_epoch
+from tuneforge.train.loop import steps_per_epoch
 from tuneforge.train.schedule import LRSchedule, resolve_warmup
 
-from conftest import chat, rows_batch, single_engine, tiny_llama, tokenized
+from conftest import accumulate, chat, rows_batch, single_engine, tiny_llama, tokenized
 
 
 def samples_of_different_lengths(tokenizer, count: int = 8):
@@ -29,11 +29,11 @@ def test_batch_of_8_equals_8_micro_batches_of_1(tokenizer):
     pad = tokenizer.pad_token_id
 
     model = tiny_llama(tokenizer)
-    whole = accumulate_gradients(single_engine(model), [rows_batch(data, list(range(8)), pad)], "fp32")
+    whole = accumulate(single_engine(model), [rows_batch(data, list(range(8)), pad)], "fp32")
     grads_whole = gradients(model)
 
     model = tiny_llama(tokenizer)
-    split = accumulate_gradients(single_engine(model), [rows_batch(data, [i], pad) for i in range(8)], "fp32")
+    split = accumulate(single_engine(model), [rows_batch(data, [i], pad) for i in range(8)], "fp32")
     grads_split = gradients(model)
 
     assert split.num_targets == whole.num_targets
@@ -46,7 +46,7 @@ def test_loss_is_the_mean_over_target_tokens_not_a_mean_of_means(tokenizer):
     data = samples_of_different_lengths(tokenizer, 4)
     model = tiny_llama(tokenizer)
     batches = [rows_batch(data, [i], tokenizer.pad_token_id) for i in range(4)]
-    result = accumulate_gradients(single_engine(model), batches, "fp32")
+    result = accumulate(single_engine(model), batches, "fp32")
     per_batch_sums, counts = [], []
     with torch.no_grad():
         for batch in batches:
@@ -64,7 +64,7 @@ def test_loss_is_the_mean_over_target_tokens_not_a_mean_of_means(tokenizer):
 def test_clipping_reports_the_norm_before_clipping(tokenizer):
     model = tiny_llama(tokenizer)
     batch = rows_batch(samples_of_different_lengths(tokenizer, 2), [0, 1], tokenizer.pad_token_id)
-    accumulate_gradients(single_engine(model), [batch], "fp32")
+    accumulate(single_engine(model), [batch], "fp32")
     expected = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
     reported = global_grad_norm(model.parameters(), max_norm=expected / 10)
     assert reported == pytest.approx(expected, rel=1e-5)
@@ -74,8 +74,8 @@ def test_clipping_reports_the_norm_before_clipping(tokenizer):
 
 def test_bf16_autocast_runs_on_cpu_and_stays_close_to_fp32(tokenizer):
     batch = rows_batch(samples_of_different_lengths(tokenizer, 2), [0, 1], tokenizer.pad_token_id)
-    fp32 = accumulate_gradients(single_engine(tiny_llama(tokenizer)), [batch], "fp32").loss
-    bf16 = accumulate_gradients(single_engine(tiny_llama(tokenizer)), [batch], "bf16").loss
+    fp32 = accumulate(single_engine(tiny_llama(tokenizer)), [batch], "fp32").loss
+    bf16 = accumulate(single_engine(tiny_llama(tokenizer)), [batch], "bf16").loss
     assert bf16 == pytest.approx(fp32, rel=2e-2)
 
 

@@ -11,17 +11,8 @@ from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.engines.single import SingleEngine
 from tuneforge.errors import UserError
 from tuneforge.model.adapters import make_trainable, resolve_lora_targets
-from tuneforge.train.loop import accumulate_gradients
 
-from conftest import (
-    REPO,
-    chat,
-    rows_batch,
-    tiny_deepseek_v2,
-    tiny_llama,
-    tiny_mixtral,
-    tokenized,
-)
+from conftest import REPO, accumulate, chat, rows_batch, tiny_deepseek_v2, tiny_llama, tiny_mixtral, tokenized
 
 
 def lora_model_config(**lora) -> ModelConfig:
@@ -33,7 +24,7 @@ def train_steps(model, tokenizer, steps: int = 3) -> None:
     batch = rows_batch(data, [0, 1, 2, 3], tokenizer.pad_token_id)
     engine = SingleEngine(model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]))
     for _ in range(steps):
-        accumulate_gradients(engine, [batch], "fp32")
+        accumulate(engine, [batch], "fp32")
         engine.step(1e-2, 1.0)
 
 
@@ -136,7 +127,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
     for checkpointing in (False, True):
         model, _ = make_trainable(tiny_llama(tokenizer), lora_model_config(dropout=0.0), checkpointing)
         model.train()
-        accumulate_gradients(SingleEngine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.0)), [batch], "fp32")
+        accumulate(SingleEngine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.0)), [batch], "fp32")
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name, grad in grads[0].items():

@@ -11,10 +11,10 @@ from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.model.adapters import make_trainable
 from tuneforge.model.moe import find_moe
 from tuneforge.model.router_balance import attach_router_balance, combine, routing_stats
-from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.telemetry import active_matmul_parameters, model_flops_per_token
 
 from conftest import (
+    accumulate,
     chat,
     rows_batch,
     single_engine,
@@ -71,7 +71,7 @@ def test_the_map_of_the_base_drives_router_loss_and_telemetry_after_adapters_wra
     assert model_flops_per_token(model, moe) == 4 * active_before + 6 * adapters
     balance, note = attach_router_balance(moe, model.config, None)
     assert f"over {len(blocks)} MoE layers, top-2 routing" in note
-    step = accumulate_gradients(single_engine(model), [batch_of(tokenizer)], "fp32", balance=balance)
+    step = accumulate(single_engine(model), [batch_of(tokenizer)], "fp32", balance=balance)
     assert step.router_aux_loss is not None and 1.0 < step.router_aux_loss < 4.0
     router_grads = [b.router.weight.grad for b in moe]
     assert all(g is None for g in router_grads)  # routers are frozen under LoRA: the loss reaches adapters only

@@ -8,9 +8,8 @@ import torch
 from tuneforge.data.batching import collate
 from tuneforge.model import packed_attention
 from tuneforge.model.attention import model_inputs
-from tuneforge.train.loop import accumulate_gradients
 
-from conftest import chat, rows_batch, single_engine, tiny_deepseek_v2, tiny_llama, tiny_mistral, tokenized
+from conftest import accumulate, chat, rows_batch, single_engine, tiny_deepseek_v2, tiny_llama, tiny_mistral, tokenized
 
 RECORDS = [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("c" * 12, "mid reply")]
 
@@ -44,8 +43,8 @@ def test_packed_row_equals_unpacked_samples(tokenizer, kind, implementation):
         torch.testing.assert_close(packed_logits[cursor : cursor + n], alone, atol=1e-5, rtol=1e-5)
         cursor += n
 
-    loss_packed = accumulate_gradients(single_engine(build(kind, tokenizer, implementation)), [packed], "fp32")
-    loss_unpacked = accumulate_gradients(
+    loss_packed = accumulate(single_engine(build(kind, tokenizer, implementation)), [packed], "fp32")
+    loss_unpacked = accumulate(
         single_engine(build(kind, tokenizer, implementation)), [rows_batch(data, [0, 1, 2], pad)], "fp32"
     )
     assert loss_packed.num_targets == loss_unpacked.num_targets
@@ -71,7 +70,7 @@ def test_packed_rows_with_padding_stay_finite(tokenizer, implementation):
     model = build("llama", tokenizer, implementation)
     batch = collate(data, [[0, 2], [1]], tokenizer.pad_token_id, packed=True)
     assert batch.attention_mask.sum() < batch.attention_mask.numel()  # the second row is padded
-    result = accumulate_gradients(single_engine(model), [batch], "fp32")
+    result = accumulate(single_engine(model), [batch], "fp32")
     assert torch.isfinite(torch.tensor(result.loss))
     # The step counts what it computed, padding included: metrics.jsonl's `padding` is 1 - tokens / slots.
     assert result.num_slots == batch.input_ids.numel() and result.num_tokens == int(batch.attention_mask.sum())

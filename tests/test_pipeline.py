@@ -247,6 +247,23 @@ def test_planners_of_two_ranks_see_the_global_batches_of_one(tokenizer):
         assert whole == first + second
 
 
+@pytest.mark.parametrize("strategy", ["grouped", "packed"])
+def test_every_rank_knows_the_global_target_count_of_each_micro_batch_from_the_plan(tokenizer, strategy):
+    """The step's divisor without a collective: each rank's micro-batch carries the target count of the whole
+    global micro-batch, which equals the sum of every rank's own count (rows repeated to fill a batch included),
+    and one process's count of the same global batch."""
+    data = tokenized(tokenizer, [chat(f"q{i}" * (i % 5 + 1), f"a{i}" * (i % 3 + 1)) for i in range(11)])
+    one = BatchPlanner(data, 6, 0, seed=1, strategy=strategy, max_length=64)
+    ranks = [BatchPlanner(data, 2, 0, seed=1, strategy=strategy, max_length=64, rank=r, world_size=3) for r in range(3)]
+    batches = list(zip(one.epoch(0), *(r.epoch(0) for r in ranks), strict=True))
+    assert batches
+    for whole, *shares in batches:
+        assert {share.global_targets for share in shares} == {sum(share.num_targets for share in shares)}
+        if whole.input_ids.size(0) >= len(shares):  # no row repeated to fill a rank's share
+            assert shares[0].global_targets == whole.num_targets == whole.global_targets
+    assert data.target_counts().sum() == sum(int((data.sample(i)[1][1:] != -100).sum()) for i in range(len(data)))
+
+
 def test_data_check_and_preview_through_the_cli(tmp_path, capsys):
     from tuneforge.cli import main
 

@@ -73,9 +73,8 @@ def trained_lora_checkpoint(tmp_path, tokenizer, quantization: dict | None):
     """Trains adapters for a few steps as `tuneforge train` would, saves the checkpoint, and returns it with
     the training model's logits on a probe."""
     from tuneforge.engines.single import SingleEngine
-    from tuneforge.train.loop import accumulate_gradients
 
-    from conftest import rows_batch, tokenized
+    from conftest import accumulate, rows_batch, tokenized
 
     cfg = model_config("llama", {**LLAMA, "initializer_range": 0.02}, quantization)  # logits of order 1
     model = build_model(cfg, tokenizer, seed=0, base_dir=tmp_path / "base")
@@ -84,7 +83,7 @@ def trained_lora_checkpoint(tmp_path, tokenizer, quantization: dict | None):
     batch = rows_batch(data, [0, 1, 2, 3], tokenizer.pad_token_id)
     engine = SingleEngine(model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]))
     for _ in range(3):
-        accumulate_gradients(engine, [batch], "fp32")
+        accumulate(engine, [batch], "fp32")
         engine.step(3e-2, 1.0)
     model.eval()
     with torch.no_grad():
@@ -154,17 +153,16 @@ def test_8bit_base_weights_train_lora(tmp_path, tokenizer):
     assert "quantization: base weights 8-bit" in notes[0]
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     from tuneforge.engines.single import SingleEngine
-    from tuneforge.train.loop import accumulate_gradients
 
-    from conftest import rows_batch, tokenized
+    from conftest import accumulate, rows_batch, tokenized
 
     data = tokenized(tokenizer, [chat("question", "answer"), chat("other question", "other answer")])
     batch = rows_batch(data, [0, 1], tokenizer.pad_token_id)
     engine = SingleEngine(model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]))
-    first = accumulate_gradients(engine, [batch], "fp32").loss
+    first = accumulate(engine, [batch], "fp32").loss
     for _ in range(5):
         engine.step(2e-2, 1.0)
-        last = accumulate_gradients(engine, [batch], "fp32").loss
+        last = accumulate(engine, [batch], "fp32").loss
     assert last < first
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
 

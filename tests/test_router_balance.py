@@ -13,10 +13,9 @@ from tuneforge.data.batching import collate
 from tuneforge.errors import UserError
 from tuneforge.model.moe import find_moe
 from tuneforge.model.router_balance import attach_router_balance, combine, routing_stats
-from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.run import run_training
 
-from conftest import chat, rows_batch, single_engine, tiny_llama, tiny_mixtral, tokenized, write_jsonl
+from conftest import accumulate, chat, rows_batch, single_engine, tiny_llama, tiny_mixtral, tokenized, write_jsonl
 
 
 def balance_loss(layer_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor) -> torch.Tensor:
@@ -75,9 +74,7 @@ def test_packed_and_unpacked_batches_give_the_same_balance_loss_and_gradients(to
         model = tiny_mixtral(tokenizer)
         balance, _ = attach_balance(model, 0.5)
         rows = [[0, 1, 2, 3]] if packed else [[0], [1], [2], [3]]
-        step = accumulate_gradients(
-            single_engine(model), [collate(data, rows, pad, packed=packed)], "fp32", balance=balance
-        )
+        step = accumulate(single_engine(model), [collate(data, rows, pad, packed=packed)], "fp32", balance=balance)
         router_grad = model.model.layers[0].mlp.gate.weight.grad.clone()
         results[packed] = (step, router_grad)
     (unpacked, grad_unpacked), (packed, grad_packed) = results[False], results[True]
@@ -93,7 +90,7 @@ def test_the_coefficient_scales_the_router_gradient(tokenizer):
     for coef in (0.0, 1.0, 2.0):
         model = tiny_mixtral(tokenizer)
         balance, _ = attach_balance(model, coef)
-        accumulate_gradients(single_engine(model), [batch], "fp32", balance=balance)
+        accumulate(single_engine(model), [batch], "fp32", balance=balance)
         grads[coef] = model.model.layers[1].mlp.gate.weight.grad.clone()
     assert not torch.allclose(grads[1.0], grads[0.0])
     # The objective is linear in the coefficient, so the aux part of the gradient doubles.

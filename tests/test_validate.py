@@ -8,11 +8,11 @@ import pytest
 
 from tuneforge.config import load_config
 from tuneforge.distributed import Layout
-from tuneforge.train.loop import accumulate_gradients
+from tuneforge.train.objectives import build_objective
 from tuneforge.train.run import run_training
 from tuneforge.train.validate import validation_batches, validation_loss
 
-from conftest import chat, rows_batch, single_engine, tiny_llama, tokenized, write_jsonl
+from conftest import accumulate, chat, rows_batch, single_engine, tiny_llama, tokenized, write_jsonl
 
 
 @pytest.mark.parametrize(("world_size", "sequence_parallel"), [(1, 1), (2, 1), (3, 1), (2, 2), (6, 2)])
@@ -37,8 +37,8 @@ def test_validation_loss_is_the_token_mean_over_the_split(tokenizer):
     model = tiny_llama(tokenizer)
     engine = single_engine(model)
     batches = list(validation_batches(data, 2, tokenizer.pad_token_id, Layout(), False, 256))
-    loss, targets = validation_loss(engine, batches, "fp32")
-    reference = accumulate_gradients(engine, [rows_batch(data, list(range(4)), tokenizer.pad_token_id)], "fp32")
+    loss, targets = validation_loss(engine, batches, build_objective(engine, "fp32"))
+    reference = accumulate(engine, [rows_batch(data, list(range(4)), tokenizer.pad_token_id)], "fp32")
     assert targets == reference.num_targets
     assert loss == pytest.approx(reference.loss, rel=1e-6)
     assert model.training  # back in training mode

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from tuneforge.data.conversation import Conversation
 from tuneforge.data.templates import ChatTemplate
-from tuneforge.train.loss import autocast
+from tuneforge.model.precision import autocast
 
 
 def _stop_token_ids(tokenizer: PreTrainedTokenizerBase, stops: list[str]) -> list[int]:

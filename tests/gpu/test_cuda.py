@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from tuneforge.data.batching import collate
 from tuneforge.model import packed_attention
 from tuneforge.model.packed_attention import cumulative_lengths
-from tuneforge.train.loss import loss_sum
 
-from conftest import chat, rows_batch, tiny_llama, tokenized
+from conftest import chat, loss_sum, rows_batch, tiny_llama, tokenized
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -81,7 +80,7 @@ def test_the_fused_loss_equals_the_logits_path_on_cuda(tokenizer):
 def test_the_fused_loss_in_several_gpu_chunks_equals_the_full_logits_forward_and_backward(monkeypatch):
     """GPU chunks are sized by memory: forced to 128 rows here, they give the loss and both gradients of
     cross-entropy over the whole fp32 logits."""
-    from tuneforge.train import fused_loss
+    from tuneforge.objective import fused_loss
 
     torch.manual_seed(0)
     hidden = torch.randn(600, 256, device=CUDA).to(torch.bfloat16).requires_grad_()

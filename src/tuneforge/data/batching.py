@@ -40,6 +40,14 @@ class MicroBatch:
     whole_position_ids: torch.Tensor | None = None
     """Under sequence parallelism, the positions of the whole rows this rank holds a shard of (the tensors
     above are the shard); None otherwise."""
+    global_targets: int = -1
+    """Target tokens of the whole global micro-batch this is a rank's share of, known from the plan every rank
+    holds, so a step's token-weighted mean needs no collective to find its divisor. `collate` sets this batch's
+    own count (right for one process); `BatchPlanner` sets the global one."""
+
+    def __post_init__(self) -> None:
+        if self.global_targets < 0:
+            self.global_targets = self.num_targets
 
     @property
     def num_targets(self) -> int:
@@ -99,6 +107,7 @@ def shard_rows(batch: MicroBatch, shard: int, size: int) -> MicroBatch:
         batch.packed,
         batch.origins,
         whole_position_ids=batch.position_ids,
+        global_targets=batch.global_targets,
     )
 
 
@@ -202,12 +211,22 @@ class BatchPlanner:
         self.world_size = world_size
         self.sequence_shard = sequence_shard
         self.packed_rows = best_fit_decreasing(data.lengths, max_length) if strategy == "packed" else None
+        self.target_counts = data.target_counts()
 
     def plan(self, epoch: int) -> Plan:
+        return [rows for rows, _ in self._shares(epoch)]
+
+    def _shares(self, epoch: int) -> list[tuple[list[list[int]], int]]:
+        """(this rank's rows, target tokens of the whole global micro-batch) for every micro-batch of `epoch`."""
         whole = plan_epoch(
             self.data.lengths, self.global_micro_batch, self.strategy, self.seed, epoch, self.packed_rows
         )
-        return [rows_for_rank(batch, self.rank, self.world_size, whole[0]) for batch in whole]
+        shares = []
+        for batch in whole:
+            every_rank = [rows_for_rank(batch, rank, self.world_size, whole[0]) for rank in range(self.world_size)]
+            targets = sum(int(self.target_counts[i]) for rows in every_rank for row in rows for i in row)
+            shares.append((every_rank[self.rank], targets))
+        return shares
 
     def __len__(self) -> int:
         rows = len(self.packed_rows) if self.packed_rows is not None else len(self.data)
@@ -217,8 +236,10 @@ class BatchPlanner:
         """This rank's micro-batches of `epoch`, from the `start`-th on."""
         packed = self.strategy == "packed"
         shard, size = self.sequence_shard
-        for rows in self.plan(epoch)[start:]:
-            yield shard_rows(collate(self.data, rows, self.pad_id, packed, sequence_width_multiple(size)), shard, size)
+        for rows, global_targets in self._shares(epoch)[start:]:
+            batch = collate(self.data, rows, self.pad_id, packed, sequence_width_multiple(size))
+            batch.global_targets = global_targets
+            yield shard_rows(batch, shard, size)
 
 
 def sequence_width_multiple(size: int) -> int:

@@ -32,6 +32,14 @@ class TokenizedData:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def target_counts(self) -> np.ndarray:
+        """Trained tokens per sample: labels other than IGNORE_INDEX after each sample's first position (targets
+        are the labels shifted by one inside the sample)."""
+        trained = self.labels != IGNORE_INDEX
+        trained[self.offsets[:-1][self.lengths > 0]] = False
+        running = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
+        return running[self.offsets[1:]] - running[self.offsets[:-1]]
+
     def signature(self) -> str:
         """Changes when samples are added, removed, reordered by length or change length: what a resumed run's
         data position depends on. Read from the offsets only, so it costs nothing on billions of tokens."""

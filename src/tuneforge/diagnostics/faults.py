@@ -3,7 +3,9 @@
 Testing only. It makes one rank misbehave at one optimizer step in a way real jobs do, so the watchdog's
 diagnosis can be checked end to end through the real launcher:
 
-- `skip_all_reduce`: the rank skips the step's token-count all-reduce (a branch that differs between ranks);
+- `skip_all_reduce`: the rank skips the step's closing all-reduce of its loss and counts, and waits on a path
+  of its own instead (a branch that differs between ranks; going on to its next collective would pair that
+  one with the skipped one, a mismatch: `extra_collective`);
 - `rank_only_collective`: the rank runs an "evaluation" with an all-reduce that only it issues;
 - `extra_collective`: the model's code issues an all-reduce on that rank only, inside the step's first
   training forward (gloo aborts a rank whose collective does not pair up: a SIGABRT, not an exception);
@@ -25,13 +27,13 @@ layer), installed by `run.setup` only when the variable is set: the training loo
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -110,7 +112,7 @@ class FaultInjector:
             decoder_layers(engine.unwrapped)[-1].register_forward_hook(self._poison)
         if self.fault.kind == "extra_collective":
             decoder_layers(engine.unwrapped)[-1].register_forward_hook(self._extra_collective)
-        return FaultyEngine(engine, self)
+        return cast(Engine, FaultyEngine(engine, self))
 
     def _extra_collective(self, module: torch.nn.Module, _inputs: object, output: object) -> object:
         if self.due("extra_collective") and module.training and self._extra_issued_at != self.step:
@@ -128,50 +130,31 @@ class FaultInjector:
         return output * float("nan")
 
 
-class FaultyEngine(Engine):
-    """An engine that passes every call through, misbehaving where its injector says so."""
+class FaultyEngine:
+    """An engine that passes every call through (`__getattr__`: whatever the engine has, now or later),
+    misbehaving in the few it overrides where its injector says so."""
 
     def __init__(self, inner: Engine, injector: FaultInjector):
         self.inner = inner
         self.injector = injector
-        self.traits, self.info, self.moe = inner.traits, inner.info, inner.moe
-        self.scaler, self.optimizer = inner.scaler, inner.optimizer
         self._skipped_at = 0
 
-    @classmethod
-    def traits_for(cls, parallel, train, device="cuda"):
-        raise NotImplementedError("a wrapper has the traits of the engine it wraps")
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.inner.model
-
-    @property
-    def unwrapped(self) -> torch.nn.Module:
-        return self.inner.unwrapped
-
-    @property
-    def loss_scale(self) -> float | None:
-        return self.inner.loss_scale
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
 
     def sum_across_ranks(self, values: list[float]) -> list[float]:
-        # The first collective of a step is its token count: the skipped one.
+        # The first collective the loop itself issues in a step is its closing sum: the skipped one.
         if self.injector.due("skip_all_reduce") and self._skipped_at != self.injector.step:
             self._skipped_at = self.injector.step
-            return list(values)
+            while True:  # until the watchdog ends the job
+                time.sleep(1)
         return self.inner.sum_across_ranks(values)
-
-    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
-        return self.inner.micro_step(last)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.inner.backward(loss)
 
     def step(self, lr: float, max_grad_norm: float) -> float:
         norm = self.inner.step(lr, max_grad_norm)
         if self.injector.due("rank_only_collective"):
             self.injector.watchdog.beat("eval")
-            torch.distributed.all_reduce(torch.zeros(1, device=self.info.device))
+            torch.distributed.all_reduce(torch.zeros(1, device=self.inner.info.device))
         return norm
 
     def save_state(self, directory: Path) -> None:
@@ -186,11 +169,5 @@ class FaultyEngine(Engine):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "engine.pt"))
         if self.injector.due("unwritable_in_save"):
             raise PermissionError(
-                errno.EACCES, os.strerror(errno.EACCES), str(directory / f"rng-rank-{self.info.rank}")
+                errno.EACCES, os.strerror(errno.EACCES), str(directory / f"rng-rank-{self.inner.info.rank}")
             )
-
-    def load_state(self, directory: Path) -> None:
-        self.inner.load_state(directory)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return self.inner.full_state_dict()

@@ -18,6 +18,7 @@ module whose backward is about to run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import mmap
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,9 @@ class CollectiveRecorder:
         self.seq = 0
         self.phase = "startup"
         self.in_flight: CollectiveRecord | None = None
+        """The oldest collective not yet complete: the one a rank that stopped is waiting in."""
+        self._outstanding: list[CollectiveRecord] = []
+        self._paused = threading.local()
         self._modules: list[str] = []
         self._names: dict[int, str] = {}
         self._backward_module = ""
@@ -195,15 +199,22 @@ class CollectiveRecorder:
                 site=call_site(3),
             )
             self.records.append(entry)
-            self.in_flight = entry
-            self._write_black_box(entry)
+            self._outstanding.append(entry)
+            if self.in_flight is None:
+                self.in_flight = entry
+                self._write_black_box(entry)
         return entry
 
     def done(self, entry: CollectiveRecord) -> None:
+        """`entry` completed. Completions may come out of order: DDP's bucket hook records its all-reduce until
+        the future completes, and the asynchronous call it makes inside returns (done) at once."""
         entry.seconds = time.time() - entry.started
-        if self.in_flight is entry:
-            self.in_flight = None
-            self._write_black_box(None)
+        with self._lock:
+            self._outstanding = [e for e in self._outstanding if e is not entry]
+            oldest = self._outstanding[0] if self._outstanding else None
+            if oldest is not self.in_flight:
+                self.in_flight = oldest
+                self._write_black_box(oldest)
 
     # -- black box -----------------------------------------------------------------------------------------
     def arm_black_box(self, path: Path) -> None:
@@ -226,9 +237,20 @@ class CollectiveRecorder:
             payload = json.dumps({**asdict(entry), "shapes": [], "dtypes": []}).encode()[:BLACK_BOX_BYTES]
         self._black_box[:] = payload.ljust(BLACK_BOX_BYTES, b"\0")
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Calls on this thread are not recorded: a caller that records the collective itself."""
+        self._paused.active = True
+        try:
+            yield
+        finally:
+            self._paused.active = False
+
     def _wrap(self, name: str, original: Callable) -> Callable:
         @functools.wraps(original)
         def recorded(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._paused, "active", False):
+                return original(*args, **kwargs)
             entry = self.record(name, args, kwargs)
             try:
                 return original(*args, **kwargs)

@@ -18,6 +18,8 @@ from tuneforge.model.moe import MoEMap
 
 
 def _recorded_allreduce(state, bucket):
+    """DDP's own averaging all-reduce, recorded as one collective in flight until its result arrives (the
+    asynchronous call inside returns at once, so it is not recorded a second time)."""
     entry = RECORDER.record("all_reduce", (bucket.buffer(),), {})
     entry.module = f"DDP gradient bucket {bucket.index()}"
 
@@ -25,7 +27,8 @@ def _recorded_allreduce(state, bucket):
         RECORDER.done(entry)
         return future.value()
 
-    return default_hooks.allreduce_hook(None, bucket).then(finished)
+    with RECORDER.paused():
+        return default_hooks.allreduce_hook(None, bucket).then(finished)
 
 
 class DDPEngine(SingleEngine):

@@ -10,8 +10,8 @@ from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import GIB
 from tuneforge.estimate.shapes import ModelShapes, count_label
 from tuneforge.model.staging import LOAD_CONTEXT_BYTES, choose_staging, device_load_bytes, host_staged_gpu_bytes
-from tuneforge.train.fused_loss import LOGIT_BYTES as FUSED_LOGIT_BYTES
-from tuneforge.train.fused_loss import chunk_rows
+from tuneforge.objective.fused_loss import LOGIT_BYTES as FUSED_LOGIT_BYTES
+from tuneforge.objective.fused_loss import chunk_rows
 
 GATHERED_LAYERS = 2  # sharded engines hold the decoder layer computing and the one prefetched, unsharded
 LOGITS_BYTES = 12  # per logit: bf16 logits, their fp32 copy for the loss, and its fp32 gradient

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +19,8 @@ from tuneforge.errors import StoppedBySignal, UserError
 from tuneforge.estimate.hardware import peak_flops
 from tuneforge.generate import generate_replies
 from tuneforge.model.quantized_experts import quantized_experts_count
-from tuneforge.model.router_balance import RouterBalance
-from tuneforge.train.checkpoint import (
-    QUANTIZED_EXPERTS,
-)
-from tuneforge.train.loss import loss_sum
+from tuneforge.objective import Objective
+from tuneforge.train.checkpoint import QUANTIZED_EXPERTS
 from tuneforge.train.metrics import MetricsLog
 from tuneforge.train.parts import RunParts
 from tuneforge.train.progress import ProgressReporter
@@ -51,56 +47,60 @@ class AccumulatedStep:
     """Per stop signal (SIGTERM, SIGINT): how many ranks had received it by the end of the step."""
 
 
+class StepObserver:
+    """What the loop learns from inside a step: micro-steps starting and ending, and this rank's stop requests.
+    This one observes nothing; the Trainer's reports to the watchdog and the progress line."""
+
+    def micro_step_started(self, index: int) -> None:
+        pass
+
+    def micro_step_done(self, index: int) -> None:
+        pass
+
+    def micro_steps_over(self) -> None:
+        """The micro-steps are done; the step's closing sum comes next."""
+
+    def stop_requests(self) -> tuple[int, ...]:
+        """Per stop signal (SIGTERM, SIGINT): 1 if this rank received it."""
+        return ()
+
+
 def accumulate_gradients(
-    engine: Engine,
-    micro_batches: list[MicroBatch],
-    precision: str,
-    on_micro_step: Callable[[int], None] | None = None,
-    balance: RouterBalance | None = None,
-    on_micro_start: Callable[[int], None] | None = None,
-    stop_vote: Callable[[], tuple[int, ...]] | None = None,
+    engine: Engine, micro_batches: list[MicroBatch], objective: Objective, observer: StepObserver | None = None
 ) -> AccumulatedStep:
-    """Backward every micro-batch with its loss sum divided by the step's total target count over all ranks,
-    so the gradient is that of the mean over all target tokens, however they are split into micro-batches
-    and ranks. The router balance loss of a micro-batch is weighted by its share of those targets, so it
-    too is a token-weighted mean; its routing statistics cover the micro-batch of all ranks. Every rank runs
-    the same number of micro-batches and collectives. `stop_vote` (this rank's stop requests) rides on the
+    """Backward every micro-batch with its loss divided by the step's units (target tokens for SFT) over all
+    ranks, so the gradient is that of the mean over all of them, however they are split into micro-batches and
+    ranks. The divisor comes from the batching plan every rank holds: no collective before the first forward.
+    Every rank runs the same number of micro-batches and collectives. The observer's stop requests ride on the
     step's closing sum, so every rank learns at the same step whether any rank was asked to stop."""
-    (total_targets,) = engine.sum_across_ranks([sum(mb.num_targets for mb in micro_batches)])
-    assert total_targets > 0, "tokenization drops samples without targets"
-    # Summed where the losses are: one host sync per step (the closing sum), none per micro-step.
-    loss_total: torch.Tensor | float = 0.0
-    aux_total: torch.Tensor | float = 0.0
-    fuse = engine.traits.fuses_output_layer
+    observer = observer or StepObserver()
+    step_units = sum(objective.global_count(batch) for batch in micro_batches)
+    assert step_units > 0, "tokenization drops samples without targets"
+    # Summed where the losses are: the closing sum reads them once per step, nothing reads them per micro-step.
+    loss_total = aux_total = torch.zeros((), dtype=torch.float32, device=objective.forward.device)
     for index, batch in enumerate(micro_batches, start=1):
-        if on_micro_start is not None:
-            on_micro_start(index)
+        observer.micro_step_started(index)
         with engine.micro_step(last=index == len(micro_batches)):
-            with balance.capture() if balance is not None else contextlib.nullcontext():
-                loss = loss_sum(engine.model, batch, precision, engine.unwrapped, fuse) / total_targets
-            objective = loss
-            if balance is not None:
-                aux = balance.loss(
-                    batch.attention_mask, batch.num_targets, total_targets, engine.sum_tensor_across_ranks
-                )
-                objective = loss + balance.coef * aux
-                aux_total = aux_total + aux.detach()
-            engine.backward(objective)
-        loss_total = loss_total + loss.detach()
-        if on_micro_step is not None:
-            on_micro_step(index)
-    votes = stop_vote() if stop_vote is not None else ()
-    loss, aux, tokens, slots, *stops = engine.sum_across_ranks(
+            terms = objective.terms(batch, step_units)
+            engine.backward(terms.total)
+        loss_total = loss_total + terms.loss
+        if terms.router_aux is not None:
+            aux_total = aux_total + terms.router_aux
+        observer.micro_step_done(index)
+    observer.micro_steps_over()
+    loss, aux = torch.stack([loss_total, aux_total]).tolist()
+    loss, aux, targets, tokens, slots, *stops = engine.sum_across_ranks(
         [
-            float(loss_total),
-            float(aux_total),
+            loss,
+            aux,
+            sum(mb.num_targets for mb in micro_batches),
             sum(mb.num_tokens for mb in micro_batches),
             sum(mb.input_ids.numel() for mb in micro_batches),
-            *votes,
+            *observer.stop_requests(),
         ]
     )
-    aux_loss = aux if balance is not None else None
-    return AccumulatedStep(loss, int(total_targets), int(tokens), int(slots), aux_loss, tuple(int(v) for v in stops))
+    aux_loss = aux if objective.balance is not None else None
+    return AccumulatedStep(loss, int(targets), int(tokens), int(slots), aux_loss, tuple(int(v) for v in stops))
 
 
 def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
@@ -250,19 +250,12 @@ class Trainer:
         engine, train = self.engine, self.cfg.train
         step_start = time.monotonic()
         planned = planned_micro_batches(len(self.parts.planner), train.gradient_accumulation, step)
-        accumulated = accumulate_gradients(
-            engine,
-            micro_batches,
-            train.precision,
-            self._micro_step_done(step, len(micro_batches)),
-            self.parts.balance,
-            on_micro_start=self._micro_step_start(step, planned),
-            stop_vote=self._stop_vote,
-        )
+        self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
+        observer = TrainerObserver(self, step, len(micro_batches))
+        accumulated = accumulate_gradients(engine, micro_batches, self.parts.objective, observer)
         self.stop_votes = accumulated.stop_votes
         self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * self.parts.layout.data_size
 
-        self.watchdog.beat("optimizer")
         lr = self.schedule(step)
         loss_scale = engine.loss_scale  # the scale this step's gradients carry
         grad_norm = engine.step(lr, train.max_grad_norm)
@@ -280,10 +273,6 @@ class Trainer:
         if loss_scale is not None:
             record["loss_scale"] = loss_scale
         return record
-
-    def _stop_vote(self) -> tuple[int, ...]:
-        received = self.watchdog.stop_signal
-        return tuple(int(received == number) for number in STOP_SIGNALS)
 
     def _stop_if_asked(self, step: int, epoch: int) -> None:
         """After a step at which some rank had a stop signal: save a step checkpoint if the time left allows,
@@ -354,26 +343,6 @@ class Trainer:
             record["router_aux_loss"] = accumulated.router_aux_loss
         return record
 
-    def _micro_step_start(self, step: int, planned: int) -> Callable[[int], None]:
-        self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
-
-        def started(index: int) -> None:
-            self.watchdog.beat("forward/backward", training=step > 1 or index > 1, micro_step=index)
-
-        return started
-
-    def _micro_step_done(self, step: int, count: int) -> Callable[[int], None]:
-        last = time.monotonic()
-
-        def done(index: int) -> None:
-            nonlocal last
-            now = time.monotonic()
-            self.watchdog.beat("forward/backward")
-            self.progress.micro_step(step, index, count, now - last)
-            last = now
-
-        return done
-
     def _fp16_overflow(self, step: int, loss: float, loss_scale: float | None) -> bool:
         """Under dynamic fp16 scaling, gradients that overflow at a scale above the minimum are the scaler's
         normal search for its scale: skipped and counted, not an error. A non-finite loss, or an overflow at
@@ -407,7 +376,7 @@ class Trainer:
 
     def validate(self, step: int, epoch: int) -> float:
         self.watchdog.beat("eval")
-        loss, _ = validation_loss(self.engine, self.parts.validation or [], self.cfg.train.precision)
+        loss, _ = validation_loss(self.engine, self.parts.validation or [], self.parts.objective)
         if self.cfg.checkpoint.keep_best and loss < self.best_val_loss:
             self.save("best", step, epoch, with_state=False)
         self.best_val_loss = min(self.best_val_loss, loss)
@@ -460,3 +429,30 @@ class Trainer:
                 self.data_signature,
             )
         self.writer.save(name, {**self.chat_meta, "step": step}, point)
+
+
+class TrainerObserver(StepObserver):
+    """Heartbeats to the watchdog and the progress line's micro-step timing, for one step of a Trainer."""
+
+    def __init__(self, trainer: Trainer, step: int, count: int):
+        self.watchdog = trainer.watchdog
+        self.progress = trainer.progress
+        self.step = step
+        self.count = count
+        self.last = time.monotonic()
+
+    def micro_step_started(self, index: int) -> None:
+        self.watchdog.beat("forward/backward", training=self.step > 1 or index > 1, micro_step=index)
+
+    def micro_step_done(self, index: int) -> None:
+        now = time.monotonic()
+        self.watchdog.beat("forward/backward")
+        self.progress.micro_step(self.step, index, self.count, now - self.last)
+        self.last = now
+
+    def micro_steps_over(self) -> None:
+        self.watchdog.beat("optimizer")  # the closing sum is outside every module's forward and backward
+
+    def stop_requests(self) -> tuple[int, ...]:
+        received = self.watchdog.stop_signal
+        return tuple(int(received == number) for number in STOP_SIGNALS)

@@ -14,7 +14,7 @@ from tuneforge.data.templates import ChatTemplate
 from tuneforge.distributed import Layout
 from tuneforge.engines import Engine
 from tuneforge.model.moe import MoEMap
-from tuneforge.model.router_balance import RouterBalance
+from tuneforge.objective import Objective
 from tuneforge.watchdog import StallWatchdog
 
 StepGroups = Iterator[tuple[int, list[MicroBatch]]]
@@ -33,7 +33,8 @@ class RunParts:
     steps_from: Callable[[int], StepGroups]
     """The step groups from a step on (0: the start): the data position of a fresh or resumed run."""
     watchdog: StallWatchdog
-    balance: RouterBalance | None = None
+    objective: Objective
+    """What each step minimises (built once over the engine's model: `train.objectives.build_objective`)."""
     validation: list[MicroBatch] | None = None
     flops_per_token: float = 0.0
     """Model FLOPs a token needs (`telemetry.model_flops_per_token`, counted before the engine sharded them)."""

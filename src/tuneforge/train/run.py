@@ -38,6 +38,7 @@ from tuneforge.train.checkpoint import step_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.inputs import check_inputs, checkpoint_bytes, disk_room_problems
 from tuneforge.train.loop import Trainer, step_groups, steps_per_epoch
+from tuneforge.train.objectives import build_objective
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
@@ -278,7 +279,7 @@ def setup(
         planner=planner,
         steps_from=steps_from,
         watchdog=watchdog,
-        balance=balance,
+        objective=build_objective(engine, cfg.train.precision, balance),
         validation=validation_split(cfg, data, tokenizer, layout),
         layout=layout,
         flops_per_token=flops_per_token,

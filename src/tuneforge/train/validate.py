@@ -19,7 +19,7 @@ from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.data.tokenize import TokenizedData
 from tuneforge.distributed import Layout
 from tuneforge.engines import Engine
-from tuneforge.train.loss import loss_sum
+from tuneforge.objective import Objective
 
 
 def validation_batches(
@@ -47,13 +47,16 @@ def validation_batches(
 
 
 @torch.no_grad()
-def validation_loss(engine: Engine, batches: list[MicroBatch], precision: str) -> tuple[float, int]:
-    """(mean loss per target token over all ranks, target tokens). Every rank runs the same number of forwards."""
+def validation_loss(engine: Engine, batches: list[MicroBatch], objective: Objective) -> tuple[float, int]:
+    """(mean loss per unit over all ranks, units): the objective's mean over the whole split, rows repeated to
+    fill a batch not counted. Every rank runs the same number of forwards; the sums stay on the device until the
+    one read at the end."""
     engine.model.eval()
-    total, targets = 0.0, 0
+    total = torch.zeros((), dtype=torch.float64, device=objective.forward.device)
+    units = 0
     for batch in batches:
-        total += float(loss_sum(engine.model, batch, precision, engine.unwrapped, engine.traits.fuses_output_layer))
-        targets += batch.num_targets
+        total += objective.loss_sum(batch)
+        units += objective.count(batch)
     engine.model.train()
-    total, targets = engine.sum_across_ranks([total, targets])
-    return total / max(targets, 1.0), int(targets)
+    total, units = engine.sum_across_ranks([float(total), units])
+    return total / max(units, 1.0), int(units)

@@ -1,0 +1,74 @@
+"""The seam every training objective plugs into: a loss over the step's micro-batches, built once per run.
+
+An objective says what one unit of its mean is (a target token for SFT, a pair for preference objectives), how
+many units a global micro-batch holds (known from the batching plan, so no collective finds the divisor) and
+the loss summed over a micro-batch's units. The step divides by the step's units over all ranks, so the
+gradient is that of the mean however the units are split into micro-batches and ranks. The router balance
+loss of MoE models is added here, once, for every objective.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tuneforge.data.batching import MicroBatch
+from tuneforge.model.router_balance import RouterBalance
+from tuneforge.objective.forward import TokenForward
+
+SumAcrossRanks = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    total: torch.Tensor
+    """What backward runs on: this rank's share of the step's mean, router balance term included."""
+    loss: torch.Tensor
+    """The objective's own share of the step's mean (detached), for reporting."""
+    router_aux: torch.Tensor | None
+    """The router balance loss's share (detached, before its coefficient); None without one."""
+
+
+class Objective(abc.ABC):
+    name: str
+    unit: str
+    """What the step's mean is over, for messages ("target tokens", "pairs")."""
+
+    def __init__(
+        self,
+        forward: TokenForward,
+        balance: RouterBalance | None = None,
+        sum_across_ranks: SumAcrossRanks | None = None,
+    ):
+        self.forward = forward
+        self.balance = balance
+        self.sum_across_ranks = sum_across_ranks if sum_across_ranks is not None else _local
+
+    @abc.abstractmethod
+    def count(self, batch: MicroBatch) -> int:
+        """Units in this rank's micro-batch."""
+
+    @abc.abstractmethod
+    def global_count(self, batch: MicroBatch) -> int:
+        """Units in the whole global micro-batch `batch` is this rank's share of (from the plan)."""
+
+    @abc.abstractmethod
+    def loss_sum(self, batch: MicroBatch) -> torch.Tensor:
+        """The loss summed over the micro-batch's units (a scalar on the model's device, fp32)."""
+
+    def terms(self, batch: MicroBatch, step_units: int) -> LossTerms:
+        """One micro-batch's forward: its loss over `step_units`, the step's units over all ranks."""
+        with self.balance.capture() if self.balance is not None else contextlib.nullcontext():
+            loss = self.loss_sum(batch) / step_units
+        if self.balance is None:
+            return LossTerms(loss, loss.detach(), None)
+        aux = self.balance.loss(batch.attention_mask, self.count(batch), step_units, self.sum_across_ranks)
+        return LossTerms(loss + self.balance.coef * aux, loss.detach(), aux.detach())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

@@ -1,0 +1,22 @@
+"""Supervised fine-tuning: the mean cross-entropy over every target token of the step."""
+
+from __future__ import annotations
+
+import torch
+
+from tuneforge.data.batching import MicroBatch
+from tuneforge.objective.base import Objective
+
+
+class CrossEntropy(Objective):
+    name = "sft"
+    unit = "target tokens"
+
+    def count(self, batch: MicroBatch) -> int:
+        return batch.num_targets
+
+    def global_count(self, batch: MicroBatch) -> int:
+        return batch.global_targets
+
+    def loss_sum(self, batch: MicroBatch) -> torch.Tensor:
+        return self.forward.cross_entropy_sum(batch)

@@ -1,0 +1,72 @@
+"""The model's forward pass over a micro-batch, set up once per run, and what the objectives read from it."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from tuneforge.data.batching import MicroBatch
+from tuneforge.data.templates import IGNORE_INDEX
+from tuneforge.model.attention import model_inputs
+from tuneforge.model.precision import AUTOCAST_DTYPES, autocast
+from tuneforge.model.transfer import to_device
+from tuneforge.objective.fused_loss import linear_cross_entropy_sum, plain_output_layer
+
+
+class TokenForward:
+    """Runs micro-batches through the model. Everything that does not change between micro-steps (the device,
+    the output layer to fuse with the loss, the autocast dtype) is decided here, once.
+
+    `model` may be an engine's wrapper; `plain` is the Hugging Face model inside it (for its config and output
+    layer). `fuse`: whether the engine leaves the output layer's weight whole after the forward
+    (`EngineTraits.fuses_output_layer`), so the loss may apply it to the labelled tokens itself."""
+
+    def __init__(self, model: torch.nn.Module, plain: torch.nn.Module, precision: str, fuse: bool = True):
+        self.model = model
+        self.plain = plain
+        self.precision = precision
+        self.device = next(plain.parameters()).device
+        self.head = fused_output_layer(plain) if fuse else None
+        self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
+
+    @property
+    def fused(self) -> bool:
+        return self.head is not None
+
+    def cross_entropy_sum(self, batch: MicroBatch) -> torch.Tensor:
+        """Sum of cross-entropy over the batch's target tokens (fp32 reduction)."""
+        targets = to_device(batch.targets, self.device)
+        inputs = model_inputs(self.plain, batch, self.device)
+        with autocast(self.precision, self.device):
+            if self.head is None:
+                logits = self.model(**inputs, use_cache=False).logits
+                return F.cross_entropy(
+                    logits.float().reshape(-1, logits.size(-1)),
+                    targets.reshape(-1),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+            # The forward goes through the engine's wrapper as usual (its hooks and gradient sync stay intact),
+            # computing logits for one position only; the loss takes the final hidden states from there.
+            outputs = self.model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+        weight = self.head.weight  # read after the forward: FSDP2 has gathered the root's parameters by now
+        if isinstance(weight, DTensor):
+            raise RuntimeError("the output layer's weight is still sharded after the forward; the fused loss needs it")
+        # The labelled positions, found on the CPU copy of the targets: a boolean index on the GPU would wait for it.
+        selected = to_device((batch.targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1), self.device)
+        hidden = outputs.hidden_states[-1]
+        hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, selected)
+        wanted = targets.reshape(-1).index_select(0, selected)
+        return linear_cross_entropy_sum(hidden, weight, wanted, self.autocast_dtype or weight.dtype)
+
+
+def fused_output_layer(plain: torch.nn.Module) -> torch.nn.Linear | None:
+    """The output layer to fuse with the loss, or None where the model's own logits must be used: the
+    forward has no `logits_to_keep` (older remote code) or the layer is not a plain local `nn.Linear`."""
+    base = plain.get_base_model() if hasattr(plain, "get_base_model") else plain
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return None
+    return plain_output_layer(base)
