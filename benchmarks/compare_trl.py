@@ -423,8 +423,8 @@ def flops_shape(config, directory: Path) -> tuple[int, int, int]:
     output layer's parameters."""
     from transformers import AutoModelForCausalLM
 
+    from tuneforge.model.flops import active_matmul_parameters
     from tuneforge.model.moe import find_moe
-    from tuneforge.train.telemetry import active_matmul_parameters
 
     with torch.device("meta"):
         network = AutoModelForCausalLM.from_config(config)

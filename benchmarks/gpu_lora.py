@@ -23,7 +23,7 @@ the ratios, the GPU's busy share of tuneforge's step (two more steps under torch
 estimate for the step, compared as positions computed per second, padding included, as the doctor counts.
 MFU counts the FLOPs a LoRA step needs: 2 per active parameter forward and 2 for its input gradient, 2 more
 for the adapters' own gradients (frozen weights get none), routed experts by their top-k share, attention
-scores left out (`telemetry.model_flops_per_token`); "6N MFU" is the usual 6 x active parameters, for
+scores left out (`model.flops.model_flops_per_token`); "6N MFU" is the usual 6 x active parameters, for
 figures quoted that way. Peaks come from
 `tuneforge.estimate.hardware`. The first two steps are warm-up and not timed.
 
@@ -59,11 +59,11 @@ from tuneforge.engines.single import SingleEngine
 from tuneforge.estimate import estimate
 from tuneforge.estimate.hardware import ACCELERATORS, Accelerator, local_accelerator
 from tuneforge.model.adapters import apply_lora
+from tuneforge.model.flops import active_matmul_parameters, model_flops_per_token
 from tuneforge.model.moe import find_moe
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.objectives import build_objective
 from tuneforge.train.optim import build_optimizer
-from tuneforge.train.telemetry import active_matmul_parameters, model_flops_per_token
 
 MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
 CONFIGS = {"deepseek_v2_lite": "deepseek-v2-lite-chat.config.json", "llama3_8b": "llama-3-8b.config.json"}

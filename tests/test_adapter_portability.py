@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.model.adapters import make_trainable
-from tuneforge.model.trained import load_trained
 from tuneforge.train.checkpoint import write_model_files
+from tuneforge.trained import load_trained
 
 from conftest import REPO, tiny_deepseek_v2, tiny_llama, tiny_qwen3_moe
 

@@ -9,7 +9,7 @@ from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.data.batching import collate
 from tuneforge.engines import engine_traits
 from tuneforge.errors import UserError
-from tuneforge.model.compile import check_compiler, compile_elementwise
+from tuneforge.model.compile import compile_elementwise
 
 from conftest import accumulate, chat, rows_batch, single_engine, tiny_llama, tokenized
 
@@ -38,4 +38,4 @@ def test_compiled_layers_give_eager_losses_and_gradients(tokenizer):
 @pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
 def test_compile_is_refused_where_untested(engine):
     with pytest.raises(UserError, match=f"parallel.engine single or ddp, not {engine}"):
-        check_compiler(torch.device("cpu"), engine_traits(engine, ParallelConfig(), TrainConfig()))
+        engine_traits(engine, ParallelConfig(), TrainConfig()).check_compile()

@@ -139,7 +139,7 @@ def assert_peft_loads_it_as_trained(work_dir: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tuneforge.model.trained import load_trained
+    from tuneforge.trained import load_trained
 
     final = work_dir / "checkpoints" / "final"
     ids = torch.arange(3, 43).reshape(2, 20)

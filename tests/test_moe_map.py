@@ -9,9 +9,9 @@ from torch import nn
 
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.model.adapters import make_trainable
+from tuneforge.model.flops import active_matmul_parameters, model_flops_per_token
 from tuneforge.model.moe import find_moe
 from tuneforge.model.router_balance import attach_router_balance, combine, routing_stats
-from tuneforge.train.telemetry import active_matmul_parameters, model_flops_per_token
 
 from conftest import (
     accumulate,

@@ -15,9 +15,9 @@ from tuneforge.errors import UserError
 from tuneforge.export import export
 from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import build_model
-from tuneforge.model.trained import load_trained
 from tuneforge.train.checkpoint import save_checkpoint
 from tuneforge.train.run import run_training
+from tuneforge.trained import load_trained
 
 from conftest import chat, write_jsonl
 

@@ -17,13 +17,12 @@ from tuneforge.model.moe import find_moe
 from tuneforge.model.quantize import quantized_linears
 from tuneforge.model.quantized_experts import (
     EXPERTS_IMPLEMENTATION,
-    compute_dtype,
     dequantize_stacked_experts,
     quantize_stacked_experts,
     quantized_experts_count,
     stacked_numel,
-    stacked_weight_names,
 )
+from tuneforge.model.stacked_experts import compute_dtype, stacked_weight_names
 from tuneforge.train.checkpoint import write_model_files
 
 from conftest import tiny_deepseek_v2, tiny_mixtral, tiny_qwen3_moe

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tuneforge.diagnostics.live import last_report
+from tuneforge.diagnose import last_report
 
 from conftest import ENGINES, TINY_LLAMA, TUNEFORGE, chat, launch, metrics, train_here, write_jsonl
 
@@ -218,7 +218,7 @@ def assert_the_loader_rebuilds_the_experts_as_trained(checkpoint, copy) -> None:
 
     from tuneforge.errors import UserError
     from tuneforge.model.quantized_experts import quantized_experts_count
-    from tuneforge.model.trained import load_trained
+    from tuneforge.trained import load_trained
 
     meta = json.loads((checkpoint / "tuneforge.json").read_text())
     assert meta["adapter"]["quantized_experts"] == 1
@@ -265,7 +265,7 @@ def assert_the_merged_export_computes_as_trained(checkpoint, out) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tuneforge.model.trained import load_trained
+    from tuneforge.trained import load_trained
 
     exported = subprocess.run(
         [TUNEFORGE, "export", str(checkpoint), "--out", str(out), "--merge"], capture_output=True, text=True

@@ -188,7 +188,7 @@ def test_a_checkpoint_in_pytorch_format_loads_when_it_holds_data_and_is_refused_
 ):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tuneforge.model.trained import load_trained
+    from tuneforge.trained import load_trained
 
     model = LlamaForCausalLM(
         LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1)

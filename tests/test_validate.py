@@ -37,7 +37,8 @@ def test_validation_loss_is_the_token_mean_over_the_split(tokenizer):
     model = tiny_llama(tokenizer)
     engine = single_engine(model)
     batches = list(validation_batches(data, 2, tokenizer.pad_token_id, Layout(), False, 256))
-    loss, targets = validation_loss(engine, batches, build_objective(engine, "fp32"))
+    result = validation_loss(engine, batches, build_objective(engine, "fp32"))
+    loss, targets = result.loss, result.units
     reference = accumulate(engine, [rows_batch(data, list(range(4)), tokenizer.pad_token_id)], "fp32")
     assert targets == reference.num_targets
     assert loss == pytest.approx(reference.loss, rel=1e-6)

@@ -101,7 +101,7 @@ def test_resume_auto_continues_only_this_runs_checkpoints_and_a_refused_resume_w
 
 
 def test_diagnose_says_a_finished_run_did_not_hang(config, tmp_path):
-    from tuneforge.diagnostics.live import last_report
+    from tuneforge.diagnose import last_report
 
     run_training(config, tmp_path / "wd")
     report = last_report(tmp_path / "wd")

@@ -11,8 +11,8 @@ from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.templates import get_template, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
-from tuneforge.model.trained import load_trained
 from tuneforge.train.checkpoint import CHAT_META
+from tuneforge.trained import load_trained
 
 
 def run_chat(

@@ -341,8 +341,8 @@ def _doctor(args: argparse.Namespace) -> int:
         skipped.append(Check("tokenizer", WARN, f"{source} is not on this machine: template and data not checked"))
     if tokenizer is not None:
         try:
-            data = prepare_data(config.data, tokenizer, get_template(config.data.template), 0, 1)
-            num_samples = len(data.train.data)
+            data = prepare_data(config.data, tokenizer, get_template(config.data.template), 0, 1, config.paired)
+            num_samples = len(data.train.data) // (2 if config.paired else 1)
         except UserError as exc:
             if args.model_config is None:
                 raise
@@ -382,20 +382,23 @@ def _data(args: argparse.Namespace) -> int:
     from tuneforge.model.build import build_tokenizer
 
     tokenizer = build_tokenizer(config.model)
-    prepared = prepare_data(config.data, tokenizer, get_template(config.data.template))
+    prepared = prepare_data(config.data, tokenizer, get_template(config.data.template), pairs=config.paired)
     if args.data_command == "preview":
         if len(prepared.train.data) == 0:
             print("\n".join(format_report(prepared.train.report)))
             print(f"error: {nothing_trains(prepared.train.report)}", file=sys.stderr)
             return 1
-        show(tokenizer, prepared.train.data, args.n, Console(highlight=False))
+        # Pairs show as their chosen answer, then their rejected one: -n counts pairs.
+        show(tokenizer, prepared.train.data, args.n * (2 if config.paired else 1), Console(highlight=False))
         return 0
     for split in (prepared.train, prepared.validation):
-        if split is not None:
+        if split is None:
+            continue
+        if not config.paired:  # a pair's answers always share a row: these strategies do not apply
             split.report.padding = padding_by_strategy(
                 split.data, config.train.micro_batch_size, config.data.max_length
             )
-            print("\n".join(format_report(split.report)))
+        print("\n".join(format_report(split.report)))
     if len(prepared.train.data) == 0:
         print(f"error: {nothing_trains(prepared.train.report)}", file=sys.stderr)
         return 1
@@ -444,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "doctor":
             return _doctor(args)
         elif args.command == "diagnose":
-            from tuneforge.diagnostics.live import last_report, live_dump
+            from tuneforge.diagnose import last_report, live_dump
 
             print(live_dump(args.work_dir) if args.live else last_report(args.work_dir))
         elif args.command == "plot":

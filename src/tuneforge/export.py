@@ -15,7 +15,8 @@ from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.model.portable_adapter import make_portable
-from tuneforge.model.trained import (
+from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, share_as_umask_allows
+from tuneforge.trained import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     adapter_base,
@@ -25,7 +26,6 @@ from tuneforge.model.trained import (
     is_adapter,
     load_trained,
 )
-from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, share_as_umask_allows
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -13,9 +13,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as elastic_run
 
+from tuneforge.diagnostics.files import STOPPED
 from tuneforge.diagnostics.report import REPORT, build_report
 from tuneforge.errors import UserError, first_line
-from tuneforge.watchdog import STALL_EXIT_CODE, STOPPED
+from tuneforge.watchdog import STALL_EXIT_CODE
 
 USER_ERROR_EXIT = 2
 """What `tuneforge` exits with after printing a UserError."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
 import os
 import select
 import signal
@@ -34,53 +33,23 @@ import traceback
 from collections import deque
 from pathlib import Path
 
+from tuneforge.diagnostics.files import (
+    HEARTBEAT_EVERY_S,
+    SLOW_PHASES,
+    black_box_file,
+    fatal_stacks_file,
+    process_start_ticks,
+    read_json,
+    write_json,
+)
 from tuneforge.diagnostics.recorder import RECORDER, CollectiveRecorder
 
 STALL_EXIT_CODE = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-STOPPED = "stopped.txt"
-"""In `diagnostics/`: written by rank 0 when the ranks stopped together on a signal (not a failure to report)."""
 SAME_STOP_S = 2.0
 """A stop signal within this time of the first is the same request delivered twice (a terminal's Ctrl-C reaches
 every process, and torchrun forwards it to its workers again); a later one stops at once."""
-TRAINING_PHASES = ("data", "forward/backward", "optimizer")
-SLOW_PHASES = ("save", "model", "startup")
-"""Phases that may legitimately take long (writing a large checkpoint, loading weights): the start-up limit."""
-HEARTBEAT_EVERY_S = 1.0
 RECENT_COLLECTIVES = 32
-
-
-def fatal_stacks_file(diagnostics_dir: Path, rank: int) -> Path:
-    """Where faulthandler writes a rank's stacks when it dies of SIGABRT, SIGSEGV, SIGBUS, SIGFPE or SIGILL."""
-    return diagnostics_dir / f"fatal-rank-{rank}.txt"
-
-
-def black_box_file(diagnostics_dir: Path, rank: int) -> Path:
-    """The recorder's crash-safe copy of a rank's collective in flight."""
-    return diagnostics_dir / "live" / f"collective-rank-{rank}.bin"
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (Linux): with the pid, it names one process, where
-    a pid alone may have been reused since it was written down."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Atomic, so a reader on another process (or node) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, default=str))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def exception_site(exc: BaseException) -> str:

@@ -331,6 +331,10 @@ class TrainConfig(Section):
     """MoE models: weight of the router load-balancing loss added to the training loss (it equals top_k when
     routing is balanced). None takes the model config's `router_aux_loss_coef`, else 0.001; 0 turns it off."""
 
+    objective: Literal["sft", "dpo", "orpo"] = "sft"
+    """What a step minimises: `sft` the cross-entropy of the answers; `dpo` and `orpo` a preference loss over
+    pairs of a chosen and a rejected answer (`preference:`; the data then holds pairs)."""
+
     max_nonfinite_steps: int = Field(3, ge=1)
     """A step whose loss or gradient norm is not finite is skipped and reported with its samples; the run stops
     after this many in a row (under DeepSpeed, which cannot skip a bf16/fp32 step, at the first)."""
@@ -357,6 +361,40 @@ class TrainConfig(Section):
         if power != int(power):
             raise ValueError(f"`train.initial_loss_scale` must be a power of two, got {self.initial_loss_scale}")
         return self
+
+
+PAIRED_OBJECTIVES = ("dpo", "orpo")
+"""Objectives trained on pairs of a chosen and a rejected answer."""
+
+
+class PreferenceConfig(Section):
+    """Preference objectives (`train.objective: dpo` or `orpo`): trained on pairs of a chosen and a rejected answer
+    to the same prompt."""
+
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, populate_by_name=True
+    )
+
+    beta: float = Field(0.1, gt=0)
+    """DPO: how far the policy may move from the reference (the inverse temperature of the implicit reward)."""
+
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "sppo_hard", "nca_pair"] = "sigmoid"
+    """DPO's loss over the reward margin: `sigmoid` (the DPO paper), `robust` (noisy labels), `hinge` (SLiC),
+    `ipo` (on mean token log-probabilities), `sppo_hard`, `nca_pair`."""
+
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Probability that a pair's labels are flipped (conservative DPO, for `sigmoid` and `robust`)."""
+
+    sft_weight: float = Field(0.0, ge=0)
+    """Adds this times the chosen answer's mean token cross-entropy to each pair's DPO loss (RPO, xtuner's
+    `loss_weight` on the SFT term); 0 turns it off."""
+
+    orpo_lambda: float = Field(0.1, gt=0, alias="lambda")
+    """ORPO: weight of the odds-ratio term beside the chosen answer's cross-entropy (written `lambda`)."""
+
+    reference: Literal["auto", "adapters"] = "auto"
+    """DPO's reference model: `adapters` is the base with the LoRA adapters disabled (no copy, the only one for
+    now); `auto` picks it. Full fine-tuning needs a reference that is not built yet, and is refused."""
 
 
 class ParallelConfig(Section):
@@ -521,3 +559,25 @@ class Config(Section):
     """Console progress, metric sinks (TensorBoard, W&B) and the plot."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     """Stall detection."""
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    """Preference training (`train.objective: dpo` or `orpo`)."""
+
+    @model_validator(mode="after")
+    def _check_objective(self) -> Config:
+        if self.train.objective == "dpo" and self.model.lora is None:
+            raise ValueError(
+                "train.objective: dpo needs a reference model; with model.lora (LoRA or QLoRA) it is the base with "
+                "the adapters disabled, at no memory cost. A reference for full fine-tuning is not built yet: add "
+                "model.lora, or use train.objective: orpo, which needs none"
+            )
+        if self.paired and self.parallel.sequence_parallel > 1:
+            raise ValueError(
+                f"train.objective: {self.train.objective} with parallel.sequence_parallel > 1 is not supported yet "
+                "(an answer's log-probability would be split across ranks); set parallel.sequence_parallel: 1"
+            )
+        return self
+
+    @property
+    def paired(self) -> bool:
+        """The data holds preference pairs (a chosen and a rejected answer per row), not conversations."""
+        return self.train.objective in PAIRED_OBJECTIVES

@@ -44,10 +44,18 @@ class MicroBatch:
     """Target tokens of the whole global micro-batch this is a rank's share of, known from the plan every rank
     holds, so a step's token-weighted mean needs no collective to find its divisor. `collate` sets this batch's
     own count (right for one process); `BatchPlanner` sets the global one."""
+    global_samples: int = -1
+    """Samples of the whole global micro-batch, likewise (a preference step's mean is over pairs of them)."""
 
     def __post_init__(self) -> None:
         if self.global_targets < 0:
             self.global_targets = self.num_targets
+        if self.global_samples < 0:
+            self.global_samples = self.num_samples
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.origins)
 
     @property
     def num_targets(self) -> int:
@@ -108,6 +116,7 @@ def shard_rows(batch: MicroBatch, shard: int, size: int) -> MicroBatch:
         batch.origins,
         whole_position_ids=batch.position_ids,
         global_targets=batch.global_targets,
+        global_samples=batch.global_samples,
     )
 
 
@@ -188,7 +197,11 @@ class BatchPlanner:
     (`micro_batch_size` rows per data-parallel rank x data-parallel ranks) and each rank takes its share, so N
     ranks see exactly the batches one process would see with an N times larger micro-batch. Under sequence
     parallelism (`sequence_shard` = (shard, size)) the `size` ranks of a group are one data-parallel rank: they
-    take the same rows, each a 1/size shard of them."""
+    take the same rows, each a 1/size shard of them.
+
+    `group` samples in a row of the data make one unit that is never split (2 for preference pairs: a chosen
+    and a rejected answer): a row holds one unit, or with packing as many as fit `max_length` per sample, each
+    sample isolated from the others by the attention."""
 
     def __init__(
         self,
@@ -201,7 +214,9 @@ class BatchPlanner:
         rank: int = 0,
         world_size: int = 1,
         sequence_shard: tuple[int, int] = (0, 1),
+        group: int = 1,
     ):
+        assert len(data) % group == 0, "a unit's samples are stored side by side"
         self.data = data
         self.global_micro_batch = micro_batch_size * world_size
         self.pad_id = pad_id
@@ -210,35 +225,44 @@ class BatchPlanner:
         self.rank = rank
         self.world_size = world_size
         self.sequence_shard = sequence_shard
-        self.packed_rows = best_fit_decreasing(data.lengths, max_length) if strategy == "packed" else None
+        self.group = group
+        self.unit_lengths = data.lengths.reshape(-1, group).sum(axis=1) if group > 1 else data.lengths
+        capacity = max_length * group
+        self.packed_rows = best_fit_decreasing(self.unit_lengths, capacity) if strategy == "packed" else None
         self.target_counts = data.target_counts()
 
     def plan(self, epoch: int) -> Plan:
-        return [rows for rows, _ in self._shares(epoch)]
+        return [rows for rows, _, _ in self._shares(epoch)]
 
-    def _shares(self, epoch: int) -> list[tuple[list[list[int]], int]]:
-        """(this rank's rows, target tokens of the whole global micro-batch) for every micro-batch of `epoch`."""
+    def _shares(self, epoch: int) -> list[tuple[list[list[int]], int, int]]:
+        """(this rank's rows, target tokens and samples of the whole global micro-batch) for every micro-batch of
+        `epoch`."""
         whole = plan_epoch(
-            self.data.lengths, self.global_micro_batch, self.strategy, self.seed, epoch, self.packed_rows
+            self.unit_lengths, self.global_micro_batch, self.strategy, self.seed, epoch, self.packed_rows
         )
+        if self.group > 1:
+            whole = [[self._samples_of(row) for row in batch] for batch in whole]
         shares = []
         for batch in whole:
             every_rank = [rows_for_rank(batch, rank, self.world_size, whole[0]) for rank in range(self.world_size)]
-            targets = sum(int(self.target_counts[i]) for rows in every_rank for row in rows for i in row)
-            shares.append((every_rank[self.rank], targets))
+            samples = [i for rows in every_rank for row in rows for i in row]
+            shares.append((every_rank[self.rank], sum(int(self.target_counts[i]) for i in samples), len(samples)))
         return shares
 
+    def _samples_of(self, units: list[int]) -> list[int]:
+        return [unit * self.group + member for unit in units for member in range(self.group)]
+
     def __len__(self) -> int:
-        rows = len(self.packed_rows) if self.packed_rows is not None else len(self.data)
+        rows = len(self.packed_rows) if self.packed_rows is not None else len(self.unit_lengths)
         return math.ceil(rows / self.global_micro_batch)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[MicroBatch]:
         """This rank's micro-batches of `epoch`, from the `start`-th on."""
-        packed = self.strategy == "packed"
+        packed = self.strategy == "packed" or self.group > 1  # a unit's samples share a row, isolated
         shard, size = self.sequence_shard
-        for rows, global_targets in self._shares(epoch)[start:]:
+        for rows, global_targets, global_samples in self._shares(epoch)[start:]:
             batch = collate(self.data, rows, self.pad_id, packed, sequence_width_multiple(size))
-            batch.global_targets = global_targets
+            batch.global_targets, batch.global_samples = global_targets, global_samples
             yield shard_rows(batch, shard, size)
 
 

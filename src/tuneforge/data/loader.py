@@ -28,6 +28,7 @@ def make_planner(data: TokenizedData, cfg: Config, pad_id: int, layout: Layout |
         layout.data_rank,
         layout.data_size,
         (layout.shard, layout.size),
+        group=2 if cfg.paired else 1,
     )
 
 

@@ -19,7 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from tuneforge.config.schema import DataConfig
 from tuneforge.data.conversation import Conversation, SampleError
 from tuneforge.data.formats import detect_format, to_conversation
-from tuneforge.data.report import DropLog, SplitReport, length_stats
+from tuneforge.data.pairs import answer_origin, is_pair_record, read_pairs
+from tuneforge.data.report import DropLog, ItemizedDrops, SplitReport, length_stats
 from tuneforge.data.sources import MALFORMED_JSON, read_records
 from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate
 from tuneforge.data.tokenize import TokenizedData, tokenize
@@ -62,6 +63,11 @@ def read_conversations(cfg: DataConfig, files: list[str], drops: DropLog) -> tup
                 decided_by = record.origin
                 if file_format is None:
                     keys = ", ".join(map(str, record.value)) if isinstance(record.value, dict) else "none"
+                    if is_pair_record(record.value):
+                        raise UserError(
+                            f"{record.origin}: this row is a preference pair (keys: {keys}), and train.objective "
+                            "sft trains on conversations; set train.objective: dpo or orpo to train on pairs"
+                        )
                     raise UserError(
                         f"{record.origin}: cannot tell the data format from this record (keys: {keys}); expected "
                         '"messages" (openai), "conversations" (sharegpt) or "instruction"/"output" (alpaca); '
@@ -84,19 +90,44 @@ def read_conversations(cfg: DataConfig, files: list[str], drops: DropLog) -> tup
 
 
 def build_split(
-    name: str, cfg: DataConfig, files: list[str], tokenizer: PreTrainedTokenizerBase, template: ChatTemplate
+    name: str,
+    cfg: DataConfig,
+    files: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    template: ChatTemplate,
+    pairs: bool = False,
 ) -> Split:
+    """Read and tokenize `files`. With `pairs`, the samples are each pair's chosen then rejected answer, side by
+    side; a pair one of whose answers is dropped is dropped whole, counted once under that answer's reason."""
     drops = DropLog()
-    conversations, read = read_conversations(cfg, files, drops)
-    kept, truncated = tokenize(conversations, tokenizer, template, cfg.max_length, cfg.truncation, cfg.system, drops)
+    if not pairs:
+        conversations, read = read_conversations(cfg, files, drops)
+        kept, truncated = tokenize(
+            conversations, tokenizer, template, cfg.max_length, cfg.truncation, cfg.system, drops
+        )
+    else:
+        both, read = read_pairs(cfg, files, drops)
+        sides = ItemizedDrops()
+        encoded, truncated = tokenize(
+            [c for pair in both for c in pair], tokenizer, template, cfg.max_length, cfg.truncation, cfg.system, sides
+        )
+        by_origin = {origin: (ids, labels) for ids, labels, origin in encoded}
+        dropped = {answer_origin(where): (reason, where) for reason, where in reversed(sides.items)}
+        kept = []
+        for chosen, rejected in both:
+            if chosen.origin in by_origin and rejected.origin in by_origin:
+                kept += [(*by_origin[c.origin], c.origin) for c in (chosen, rejected)]
+            else:
+                drops.add(*dropped.get(chosen.origin) or dropped[rejected.origin])
     data = TokenizedData.from_samples(kept)
-    return Split(data, _report(name, files, read, truncated, drops, data))
+    return Split(data, _report(name, files, read, truncated, drops, data, 2 if pairs else 1))
 
 
-def _report(name, files, read, truncated, drops, data: TokenizedData) -> SplitReport:
+def _report(name, files, read, truncated, drops, data: TokenizedData, group: int = 1) -> SplitReport:
+    """`group`: samples per kept record (2 for pairs)."""
     trained = int((data.labels != IGNORE_INDEX).sum())
     percentiles, fraction = length_stats(data.lengths, trained, len(data.input_ids))
-    return SplitReport(name, list(files), read, len(data), truncated, drops, percentiles, fraction)
+    return SplitReport(name, list(files), read, len(data) // group, truncated, drops, percentiles, fraction)
 
 
 def _file_digest(path: Path) -> str:
@@ -117,12 +148,12 @@ def _tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256((vocabulary + extra).encode()).hexdigest()
 
 
-def fingerprint(cfg: DataConfig, files: list[str], tokenizer: PreTrainedTokenizerBase) -> str:
+def fingerprint(cfg: DataConfig, files: list[str], tokenizer: PreTrainedTokenizerBase, pairs: bool = False) -> str:
     """Changes whenever a file's content or any setting that affects tokenization changes."""
     settings = cfg.model_dump(
         mode="json", include={"format", "split", "template", "system", "max_length", "truncation", "on_error"}
     )
-    digest = hashlib.sha256(DATA_VERSION.encode())
+    digest = hashlib.sha256(DATA_VERSION.encode() + (b":pairs" if pairs else b""))
     digest.update(json.dumps(settings, sort_keys=True).encode())
     digest.update(_tokenizer_digest(tokenizer).encode())
     for path in files:
@@ -265,12 +296,13 @@ def prepare_split(
     template: ChatTemplate,
     rank: int = 0,
     world_size: int = 1,
+    pairs: bool = False,
 ) -> tuple[Split, bool]:
     """The tokenized split and whether it came from the cache. With a cache and several ranks, rank 0
     builds it while the others wait (with their own timeout, independent of the training watchdog)."""
     if cfg.cache_dir is None:
-        return build_split(name, cfg, files, tokenizer, template), False
-    directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer)
+        return build_split(name, cfg, files, tokenizer, template, pairs), False
+    directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer, pairs)
     here = [str(Path(f)) for f in files]
     if rank != 0 and world_size > 1:
         try:
@@ -282,7 +314,7 @@ def prepare_split(
             return _load(directory, here), True
         except DamagedCache as damaged:
             _set_aside(directory, f"{damaged}")
-    split = build_split(name, cfg, files, tokenizer, template)
+    split = build_split(name, cfg, files, tokenizer, template, pairs)
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         _save(split, directory, files)
@@ -294,31 +326,43 @@ def prepare_split(
     return split, False
 
 
-def hold_out(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
-    """Move a seeded `fraction` of the samples (at least one) into a validation split."""
-    count = len(split.data)
+def hold_out(split: Split, fraction: float, seed: int, group: int = 1) -> tuple[Split, Split]:
+    """Move a seeded `fraction` of the records (at least one; a record is `group` samples side by side, 2 for
+    pairs) into a validation split."""
+    count = len(split.data) // group
     size = max(1, round(count * fraction))
     if size >= count:
         raise UserError(f"data.validation_fraction={fraction} leaves no training samples out of {count}")
     chosen = set(np.random.default_rng(seed).permutation(count)[:size].tolist())
-    train = split.data.subset([i for i in range(count) if i not in chosen])
-    validation = split.data.subset(sorted(chosen))
-    train_report = _report(
-        "train", split.report.files, split.report.read, split.report.truncated, split.report.drops, train
-    )
+
+    def samples(records: list[int]) -> list[int]:
+        return [record * group + member for record in records for member in range(group)]
+
+    train = split.data.subset(samples([i for i in range(count) if i not in chosen]))
+    validation = split.data.subset(samples(sorted(chosen)))
+    report = split.report
+    train_report = _report("train", report.files, report.read, report.truncated, report.drops, train, group)
     validation_report = _report(
-        f"validation ({fraction:.0%} held out)", split.report.files, 0, 0, DropLog(), validation
+        f"validation ({fraction:.0%} held out)", report.files, 0, 0, DropLog(), validation, group
     )
     return Split(train, train_report), Split(validation, validation_report)
 
 
 def prepare_data(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, template: ChatTemplate, rank: int = 0, world_size: int = 1
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    template: ChatTemplate,
+    rank: int = 0,
+    world_size: int = 1,
+    pairs: bool = False,
 ) -> PreparedData:
-    train, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template, rank, world_size)
+    """The train and validation splits; `pairs`: the files hold preference pairs (`train.objective` dpo, orpo)."""
+    train, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template, rank, world_size, pairs)
     validation = None
     if cfg.validation_files:
-        validation, _ = prepare_split("validation", cfg, cfg.validation_files, tokenizer, template, rank, world_size)
+        validation, _ = prepare_split(
+            "validation", cfg, cfg.validation_files, tokenizer, template, rank, world_size, pairs
+        )
     elif cfg.validation_fraction:
-        train, validation = hold_out(train, cfg.validation_fraction, cfg.split_seed)
+        train, validation = hold_out(train, cfg.validation_fraction, cfg.split_seed, 2 if pairs else 1)
     return PreparedData(train, validation)

@@ -29,6 +29,17 @@ class DropLog:
 
 
 @dataclass
+class ItemizedDrops(DropLog):
+    """A drop log that also keeps every (reason, where) it was given, in order."""
+
+    items: list[tuple[str, str]] = field(default_factory=list)
+
+    def add(self, reason: str, where: str) -> None:
+        super().add(reason, where)
+        self.items.append((reason, where))
+
+
+@dataclass
 class SplitReport:
     name: str
     files: list[str]

@@ -19,8 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tuneforge.diagnostics.recorder import _is_library, read_black_box
-from tuneforge.watchdog import (
+from tuneforge.diagnostics.files import (
     HEARTBEAT_EVERY_S,
     TRAINING_PHASES,
     black_box_file,
@@ -28,6 +27,7 @@ from tuneforge.watchdog import (
     process_start_ticks,
     read_json,
 )
+from tuneforge.diagnostics.recorder import _is_library, read_black_box
 
 REPORT = "report.txt"
 EXPERT_MODULE = re.compile(r"(^|\.)experts(\.|$)")

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo, all_reduce_sum
 from tuneforge.engines.loss_scale import LossScaler
+from tuneforge.errors import UserError
 from tuneforge.model.moe import MoEMap
 
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -58,6 +59,14 @@ class EngineTraits:
     @property
     def shards_anything(self) -> bool:
         return self.shard_stage > 0
+
+    def check_compile(self) -> None:
+        """`train.compile` is refused before the model loads under engines it is not tested with."""
+        if not self.compiles:
+            raise UserError(
+                f"train.compile: supported with parallel.engine single or ddp, not {self.label}; "
+                "set train.compile=false"
+            )
 
 
 def global_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:

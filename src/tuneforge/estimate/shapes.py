@@ -11,11 +11,11 @@ from torch import nn
 
 from tuneforge.config.schema import Config
 from tuneforge.model.adapters import resolve_lora_targets, stacked_experts_in_peft_form
+from tuneforge.model.flops import matmul_shares
 from tuneforge.model.moe import MoEBlock, MoEMap
 from tuneforge.model.quantize import matches_module_name, quantized_linears
 from tuneforge.model.quantized_experts import quantizable_weights
 from tuneforge.model.structure import decoder_layers
-from tuneforge.train.telemetry import matmul_shares
 
 
 @dataclass(frozen=True)

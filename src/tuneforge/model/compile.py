@@ -18,7 +18,6 @@ import shutil
 import torch
 from torch import nn
 
-from tuneforge.engines.base import EngineTraits
 from tuneforge.errors import UserError
 
 """Engines whose hooks are outside the compiled modules. FSDP2 and DeepSpeed hook the parameters of every
@@ -36,12 +35,9 @@ def is_gated_mlp(module: nn.Module) -> bool:
     )
 
 
-def check_compiler(device: torch.device, traits: EngineTraits) -> None:
-    """Fail before the model loads, with the fix, rather than at the first compiled call."""
-    if not traits.compiles:
-        raise UserError(
-            f"train.compile: supported with parallel.engine single or ddp, not {traits.label}; set train.compile=false"
-        )
+def check_compiler(device: torch.device) -> None:
+    """Fail before the model loads, with the fix, rather than at the first compiled call: the compiler toolchain
+    `torch.compile` needs on `device` (whether the engine allows compiling is `EngineTraits.compiles`)."""
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
             raise UserError("train.compile on GPUs needs triton (pip install triton); or set train.compile=false")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrize import type_before_parametrizations
 
-from tuneforge.model.quantized_experts import (
+from tuneforge.model.stacked_experts import (
     compute_dtype,
     dequantizing_matmul,
     has_stacked_layout,

@@ -17,63 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
 from tuneforge.config.schema import QuantizationConfig
+from tuneforge.model.expert_lora import grouped_experts_forward
 from tuneforge.model.quantize import DTYPES as QUANT_DTYPES
 from tuneforge.model.quantize import kept_in_full_precision
-
-
-def stacked_weight_names(experts: nn.Module) -> list[str]:
-    """The stacked weights of a `transformers` experts module (laid out as its attributes describe)."""
-    return ["gate_up_proj" if experts.has_gate else "up_proj", "down_proj"]
-
-
-def has_stacked_layout(experts: nn.Module) -> bool:
-    """Whether `experts` is a `transformers` experts class (`use_experts_implementation`) with stacked weights."""
-    if not all(hasattr(experts, a) for a in ("has_gate", "has_bias", "is_transposed", "num_experts")):
-        return False
-    # Looked up without reading them: reading a quantized weight dequantizes it.
-    return all(
-        isinstance(experts._parameters.get(name), nn.Parameter) or parametrize.is_parametrized(experts, name)
-        for name in stacked_weight_names(experts)
-    )
-
-
-def _dequantizer(experts: nn.Module, name: str) -> nn.Module | None:
-    """The bitsandbytes parametrization that dequantizes a stacked weight stored in 4 bits, else None."""
-    if not parametrize.is_parametrized(experts, name):
-        return None
-    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
-
-    found = [p for p in experts.parametrizations[name] if isinstance(p, Bnb4bitParametrization)]
-    return found[0] if found else None
-
-
-def quant_state(experts: nn.Module, name: str):
-    """The bitsandbytes quantization state of a stacked weight that is stored in 4 bits, else None."""
-    dequantizer = _dequantizer(experts, name)
-    return dequantizer.quant_state if dequantizer is not None else None
-
-
-def only_quantized(experts: nn.Module, name: str) -> bool:
-    """Stored in 4 bits with nothing else on top (no PEFT delta parametrization): reading it is a frozen
-    dequantization, which `dequantizing_matmul` can redo in backward instead of keeping."""
-    return quant_state(experts, name) is not None and len(experts.parametrizations[name]) == 1
-
-
-def compute_dtype(experts: nn.Module) -> torch.dtype:
-    """The dtype the experts compute in outside autocast: the quantization's compute dtype for 4-bit experts,
-    as for bitsandbytes' 4-bit linear layers (both then follow autocast where it is on); else their weights'."""
-    name = stacked_weight_names(experts)[-1]
-    dequantizer = _dequantizer(experts, name)
-    if dequantizer is not None:
-        return getattr(dequantizer, "compute_dtype", dequantizer.quant_state.dtype)
-    return getattr(experts, name).dtype
+from tuneforge.model.stacked_experts import has_stacked_layout, quant_state, stacked_weight_names
 
 
 def quantizable_experts(model: nn.Module, settings: QuantizationConfig) -> list[tuple[str, nn.Module]]:
@@ -245,30 +199,6 @@ def plain_for_peft(model: nn.Module) -> Iterator[None]:
             parametrize.register_parametrization(module, name, dequantize, unsafe=True)
 
 
-class _DequantizingMatmul(torch.autograd.Function):
-    """rows x weight() where weight() dequantizes a frozen 4-bit weight: called again in backward rather than
-    keeping the full-size dequantized copy between forward and backward."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, matmul: Callable, weight: Callable[[], torch.Tensor]) -> torch.Tensor:
-        ctx.matmul, ctx.weight = matmul, weight
-        return matmul(rows, weight())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.matmul(grad, ctx.weight().transpose(1, 2)), None, None
-
-
-def dequantizing_matmul(
-    rows: torch.Tensor,
-    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    weight: Callable[[], torch.Tensor],
-) -> torch.Tensor:
-    """`matmul(rows, weight())` for a frozen (experts, in, out) `weight()` that is rebuilt, not kept, for the
-    gradient of `rows`."""
-    return _DequantizingMatmul.apply(rows, matmul, weight)
-
-
 EXPERTS_IMPLEMENTATION = "tuneforge_grouped"
 
 
@@ -276,8 +206,6 @@ def register_experts_implementation() -> str:
     """Registers tuneforge's grouped experts forward (no adapters) with `transformers`' experts interface,
     its documented extension point; returns its name."""
     from transformers.integrations.moe import ExpertsInterface
-
-    from tuneforge.model.expert_lora import grouped_experts_forward
 
     def forward(
         experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -23,6 +23,11 @@ from tuneforge.objective.forward import TokenForward
 SumAcrossRanks = Callable[[torch.Tensor], torch.Tensor]
 
 
+Metrics = dict[str, torch.Tensor]
+"""Figures an objective reports beside its loss (e.g. `rewards/accuracy`), each summed over the units of a
+micro-batch (detached); the step reports their mean over its units."""
+
+
 @dataclass(frozen=True)
 class LossTerms:
     total: torch.Tensor
@@ -31,6 +36,8 @@ class LossTerms:
     """The objective's own share of the step's mean (detached), for reporting."""
     router_aux: torch.Tensor | None
     """The router balance loss's share (detached, before its coefficient); None without one."""
+    metrics: Metrics
+    """The objective's figures, summed over the micro-batch's units."""
 
 
 class Objective(abc.ABC):
@@ -56,18 +63,32 @@ class Objective(abc.ABC):
     def global_count(self, batch: MicroBatch) -> int:
         """Units in the whole global micro-batch `batch` is this rank's share of (from the plan)."""
 
+    metric_names: tuple[str, ...] = ()
+    """The keys of the metrics `evaluate` returns, in the order they are reported."""
+
+    def prepare(self, batch: MicroBatch) -> object:
+        """What the loss needs besides the policy's forward, computed before it and outside the router balance's
+        recording (a preference objective's reference log-probs). None by default."""
+        return None
+
     @abc.abstractmethod
+    def evaluate(self, batch: MicroBatch, prepared: object) -> tuple[torch.Tensor, Metrics]:
+        """The loss summed over the micro-batch's units (a scalar on the model's device, fp32), and the metrics
+        summed likewise."""
+
     def loss_sum(self, batch: MicroBatch) -> torch.Tensor:
-        """The loss summed over the micro-batch's units (a scalar on the model's device, fp32)."""
+        return self.evaluate(batch, self.prepare(batch))[0]
 
     def terms(self, batch: MicroBatch, step_units: int) -> LossTerms:
         """One micro-batch's forward: its loss over `step_units`, the step's units over all ranks."""
+        prepared = self.prepare(batch)
         with self.balance.capture() if self.balance is not None else contextlib.nullcontext():
-            loss = self.loss_sum(batch) / step_units
+            loss, metrics = self.evaluate(batch, prepared)
+            loss = loss / step_units
         if self.balance is None:
-            return LossTerms(loss, loss.detach(), None)
+            return LossTerms(loss, loss.detach(), None, metrics)
         aux = self.balance.loss(batch.attention_mask, self.count(batch), step_units, self.sum_across_ranks)
-        return LossTerms(loss + self.balance.coef * aux, loss.detach(), aux.detach())
+        return LossTerms(loss + self.balance.coef * aux, loss.detach(), aux.detach(), metrics)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tuneforge.data.batching import MicroBatch
-from tuneforge.objective.base import Objective
+from tuneforge.objective.base import Metrics, Objective
 
 
 class CrossEntropy(Objective):
@@ -18,5 +18,5 @@ class CrossEntropy(Objective):
     def global_count(self, batch: MicroBatch) -> int:
         return batch.global_targets
 
-    def loss_sum(self, batch: MicroBatch) -> torch.Tensor:
-        return self.forward.cross_entropy_sum(batch)
+    def evaluate(self, batch: MicroBatch, prepared: object) -> tuple[torch.Tensor, Metrics]:
+        return self.forward.cross_entropy_sum(batch), {}

@@ -14,6 +14,7 @@ from tuneforge.model.attention import model_inputs
 from tuneforge.model.precision import AUTOCAST_DTYPES, autocast
 from tuneforge.model.transfer import to_device
 from tuneforge.objective.fused_loss import linear_cross_entropy_sum, plain_output_layer
+from tuneforge.objective.log_probs import linear_target_log_probs
 
 
 class TokenForward:
@@ -61,6 +62,26 @@ class TokenForward:
         hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, selected)
         wanted = targets.reshape(-1).index_select(0, selected)
         return linear_cross_entropy_sum(hidden, weight, wanted, self.autocast_dtype or weight.dtype)
+
+    def target_log_probs(self, batch: MicroBatch) -> torch.Tensor:
+        """log p(target) at every labelled position, in the row-major order of `batch.targets != IGNORE_INDEX`
+        (fp32). Through the chunked output layer where it is fused; else from the model's logits, a log-softmax
+        over the labelled rows only."""
+        selected = to_device((batch.targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1), self.device)
+        wanted = to_device(batch.targets, self.device).reshape(-1).index_select(0, selected)
+        inputs = model_inputs(self.plain, batch, self.device)
+        with autocast(self.precision, self.device):
+            if self.head is None:
+                logits = self.model(**inputs, use_cache=False).logits
+                rows = logits.reshape(-1, logits.size(-1)).index_select(0, selected).float()
+                return torch.log_softmax(rows, dim=-1).gather(1, wanted[:, None]).squeeze(1)
+            outputs = self.model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+        weight = self.head.weight
+        if isinstance(weight, DTensor):
+            raise RuntimeError("the output layer's weight is still sharded after the forward; the fused loss needs it")
+        hidden = outputs.hidden_states[-1]
+        hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, selected)
+        return linear_target_log_probs(hidden, weight, wanted, self.autocast_dtype or weight.dtype)
 
 
 def fused_output_layer(plain: torch.nn.Module) -> torch.nn.Linear | None:

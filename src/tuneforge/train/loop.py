@@ -6,13 +6,14 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
+from tuneforge.diagnostics.files import STOPPED
 from tuneforge.distributed import gather_objects
 from tuneforge.engines import Engine
 from tuneforge.errors import StoppedBySignal, UserError
@@ -29,8 +30,8 @@ from tuneforge.train.schedule import LRSchedule, resolve_warmup
 from tuneforge.train.sinks import open_sinks
 from tuneforge.train.state import ResumePoint
 from tuneforge.train.telemetry import peak_memory_gb
-from tuneforge.train.validate import validation_loss
-from tuneforge.watchdog import STOP_SIGNALS, STOPPED
+from tuneforge.train.validate import ValidationResult, validation_loss
+from tuneforge.watchdog import STOP_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class AccumulatedStep:
     """Router balance loss, weighted by each micro-batch's share of target tokens (MoE models only)."""
     stop_votes: tuple[int, ...] = ()
     """Per stop signal (SIGTERM, SIGINT): how many ranks had received it by the end of the step."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's figures (`Objective.metric_names`), each a mean over the step's units."""
 
 
 class StepObserver:
@@ -77,30 +80,38 @@ def accumulate_gradients(
     step_units = sum(objective.global_count(batch) for batch in micro_batches)
     assert step_units > 0, "tokenization drops samples without targets"
     # Summed where the losses are: the closing sum reads them once per step, nothing reads them per micro-step.
-    loss_total = aux_total = torch.zeros((), dtype=torch.float32, device=objective.forward.device)
+    zero = torch.zeros((), dtype=torch.float32, device=objective.forward.device)
+    # loss, router balance loss, then the objective's metrics: summed on the device, read once at the end
+    totals = [zero] * (2 + len(objective.metric_names))
     for index, batch in enumerate(micro_batches, start=1):
         observer.micro_step_started(index)
         with engine.micro_step(last=index == len(micro_batches)):
             terms = objective.terms(batch, step_units)
             engine.backward(terms.total)
-        loss_total = loss_total + terms.loss
-        if terms.router_aux is not None:
-            aux_total = aux_total + terms.router_aux
+        aux = terms.router_aux if terms.router_aux is not None else zero
+        metrics = [terms.metrics[name] for name in objective.metric_names]
+        totals = [total + value for total, value in zip(totals, [terms.loss, aux, *metrics], strict=True)]
         observer.micro_step_done(index)
     observer.micro_steps_over()
-    loss, aux = torch.stack([loss_total, aux_total]).tolist()
-    loss, aux, targets, tokens, slots, *stops = engine.sum_across_ranks(
+    targets, tokens, slots, *summed = engine.sum_across_ranks(
         [
-            loss,
-            aux,
             sum(mb.num_targets for mb in micro_batches),
             sum(mb.num_tokens for mb in micro_batches),
             sum(mb.input_ids.numel() for mb in micro_batches),
+            *torch.stack(totals).tolist(),
             *observer.stop_requests(),
         ]
     )
-    aux_loss = aux if objective.balance is not None else None
-    return AccumulatedStep(loss, int(targets), int(tokens), int(slots), aux_loss, tuple(int(v) for v in stops))
+    (loss, aux, *metrics), stops = summed[: len(totals)], summed[len(totals) :]
+    return AccumulatedStep(
+        loss,
+        int(targets),
+        int(tokens),
+        int(slots),
+        aux if objective.balance is not None else None,
+        tuple(int(v) for v in stops),
+        {name: total / step_units for name, total in zip(objective.metric_names, metrics, strict=True)},
+    )
 
 
 def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
@@ -222,7 +233,9 @@ class Trainer:
                 record = self.train_step(step, epoch, micro_batches)
                 every = cfg.eval.every_steps
                 if self.parts.validation and ((every and step % every == 0) or step == self.total_steps):
-                    record["val_loss"] = self.validate(step, epoch)
+                    validated = self.validate(step, epoch)
+                    record["val_loss"] = validated.loss
+                    record.update({f"val_{name}": value for name, value in validated.metrics.items()})
                 if metrics_log is not None:
                     metrics_log.write(record)
                 history.append(record)
@@ -341,6 +354,7 @@ class Trainer:
         record["peak_memory_gb"] = peak_memory_gb(info.device)
         if accumulated.router_aux_loss is not None:
             record["router_aux_loss"] = accumulated.router_aux_loss
+        record.update(accumulated.metrics)
         return record
 
     def _fp16_overflow(self, step: int, loss: float, loss_scale: float | None) -> bool:
@@ -374,14 +388,14 @@ class Trainer:
                 "train.lr, check those samples, or resume from the last checkpoint with --resume auto"
             )
 
-    def validate(self, step: int, epoch: int) -> float:
+    def validate(self, step: int, epoch: int) -> ValidationResult:
         self.watchdog.beat("eval")
-        loss, _ = validation_loss(self.engine, self.parts.validation or [], self.parts.objective)
-        if self.cfg.checkpoint.keep_best and loss < self.best_val_loss:
+        result = validation_loss(self.engine, self.parts.validation or [], self.parts.objective)
+        if self.cfg.checkpoint.keep_best and result.loss < self.best_val_loss:
             self.save("best", step, epoch, with_state=False)
-        self.best_val_loss = min(self.best_val_loss, loss)
+        self.best_val_loss = min(self.best_val_loss, result.loss)
         self.watchdog.beat("eval")
-        return loss
+        return result
 
     def sample_chats(self, step: int) -> None:
         evaluation = self.cfg.eval

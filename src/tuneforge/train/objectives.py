@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
+from tuneforge.config.schema import PreferenceConfig
 from tuneforge.engines import Engine
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.objective import CrossEntropy, Objective, TokenForward
+from tuneforge.objective.preference import DirectPreference, OddsRatioPreference, disabled_adapters_reference
 
 
-def build_objective(engine: Engine, precision: str, balance: RouterBalance | None = None) -> Objective:
-    """The objective over `engine`'s model: its forward (output layer fused with the loss where the engine leaves
-    it whole), and the router balance loss of MoE models when `balance` is given."""
+def build_objective(
+    engine: Engine,
+    precision: str,
+    balance: RouterBalance | None = None,
+    objective: str = "sft",
+    preference: PreferenceConfig | None = None,
+) -> Objective:
+    """`objective` (`train.objective`) over `engine`'s model: its forward (output layer fused with the loss where
+    the engine leaves it whole), and the router balance loss of MoE models when `balance` is given, applied to
+    the policy's forward only."""
     forward = TokenForward(engine.model, engine.unwrapped, precision, engine.traits.fuses_output_layer)
-    return CrossEntropy(forward, balance, engine.sum_tensor_across_ranks)
+    settings = preference or PreferenceConfig()
+    if objective == "sft":
+        return CrossEntropy(forward, balance, engine.sum_tensor_across_ranks)
+    if objective == "orpo":
+        return OddsRatioPreference(forward, settings.orpo_lambda, balance, engine.sum_tensor_across_ranks)
+    if objective == "dpo":
+        if not hasattr(engine.unwrapped, "disable_adapter"):
+            raise ValueError("DPO's reference is the base model with the adapters disabled: the model needs LoRA")
+        return DirectPreference(
+            forward,
+            disabled_adapters_reference(forward, engine.unwrapped),
+            settings.beta,
+            settings.loss_type,
+            settings.label_smoothing,
+            settings.sft_weight,
+            balance,
+            engine.sum_tensor_across_ranks,
+        )
+    raise ValueError(f"unknown objective {objective!r}")

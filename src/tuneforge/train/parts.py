@@ -37,7 +37,7 @@ class RunParts:
     """What each step minimises (built once over the engine's model: `train.objectives.build_objective`)."""
     validation: list[MicroBatch] | None = None
     flops_per_token: float = 0.0
-    """Model FLOPs a token needs (`telemetry.model_flops_per_token`, counted before the engine sharded them)."""
+    """Model FLOPs a token needs (`model.flops.model_flops_per_token`, counted before the engine sharded them)."""
     run_id: str = ""
     """The run this work dir belongs to (`run.json`): its step checkpoints record it."""
     layout: Layout = field(default_factory=Layout)

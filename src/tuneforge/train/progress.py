@@ -14,7 +14,10 @@ def _format_step(step: int, metrics: dict[str, float]) -> str:
         f"loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  grad_norm {metrics['grad_norm']:.3f}  "
         f"tok/s {metrics['tokens_per_s']:,.0f}"
         + (f"  router_aux {metrics['router_aux_loss']:.4f}" if "router_aux_loss" in metrics else "")
+        + (f"  margin {metrics['rewards/margin']:.3f}" if "rewards/margin" in metrics else "")
+        + (f"  acc {metrics['rewards/accuracy']:.2f}" if "rewards/accuracy" in metrics else "")
         + (f"  val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
+        + (f"  val_acc {metrics['val_rewards/accuracy']:.2f}" if "val_rewards/accuracy" in metrics else "")
         + (f"  MFU {100 * metrics['mfu']:.0f}%" if "mfu" in metrics else "")
         + (f"  mem {metrics['peak_memory_gb']:.1f}GB" if "peak_memory_gb" in metrics else "")
     )

@@ -19,7 +19,6 @@ from tuneforge.data.loader import make_planner, padding_by_strategy
 from tuneforge.data.pipeline import PreparedData, prepare_data
 from tuneforge.data.report import format_report, nothing_trains
 from tuneforge.data.templates import get_template
-from tuneforge.diagnostics.faults import FaultInjector, injected_fault
 from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.distributed import DistInfo, Layout, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
@@ -30,12 +29,14 @@ from tuneforge.model import packed_attention
 from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import DTYPES, build_model, build_tokenizer, count_parameters, model_config
 from tuneforge.model.compile import check_compiler, compile_elementwise
+from tuneforge.model.flops import model_flops_per_token
 from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.train.checkpoint import step_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
+from tuneforge.train.faults import FaultInjector, injected_fault
 from tuneforge.train.inputs import check_inputs, checkpoint_bytes, disk_room_problems
 from tuneforge.train.loop import Trainer, step_groups, steps_per_epoch
 from tuneforge.train.objectives import build_objective
@@ -54,7 +55,6 @@ from tuneforge.train.state import (
     load_rng,
     read_state,
 )
-from tuneforge.train.telemetry import model_flops_per_token
 from tuneforge.train.validate import validation_batches
 from tuneforge.train.workdir import recorded_run, release_lock, start_run, take_lock
 from tuneforge.watchdog import StallWatchdog, exception_site
@@ -241,7 +241,8 @@ def setup(
     layout = sequence_layout(cfg, engine_name, info, tokenizer, say)
     traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
     if cfg.train.compile:
-        check_compiler(info.device, traits)
+        traits.check_compile()
+        check_compiler(info.device)
     watchdog.beat("model", training=False)
     model, moe, balance, flops_per_token = trainable_model(cfg, tokenizer, info, work_dir, traits, say)
     seed_everything(cfg.train.seed)
@@ -279,7 +280,7 @@ def setup(
         planner=planner,
         steps_from=steps_from,
         watchdog=watchdog,
-        objective=build_objective(engine, cfg.train.precision, balance),
+        objective=build_objective(engine, cfg.train.precision, balance, cfg.train.objective, cfg.preference),
         validation=validation_split(cfg, data, tokenizer, layout),
         layout=layout,
         flops_per_token=flops_per_token,
@@ -314,7 +315,7 @@ def sequence_layout(cfg: Config, engine_name: str, info: DistInfo, tokenizer, sa
 
 def load_data(cfg: Config, tokenizer, template, info: DistInfo, say: Say) -> PreparedData:
     """Tokenized (or cached) splits with their reports printed; no trainable sample left is an error."""
-    data = prepare_data(cfg.data, tokenizer, template, info.rank, info.world_size)
+    data = prepare_data(cfg.data, tokenizer, template, info.rank, info.world_size, cfg.paired)
     for split in (data.train, data.validation):
         if split is not None:
             split.report.padding = padding_by_strategy(split.data, cfg.train.micro_batch_size, cfg.data.max_length)
@@ -407,13 +408,15 @@ def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | 
         ranks = f"{layout.data_size} data-parallel group(s) of {layout.size} ranks, each row split across a group"
     say(
         f"train: {trainer.total_steps} optimizer steps of {cfg.train.gradient_accumulation} x "
-        f"{cfg.train.micro_batch_size} {'rows' if cfg.data.packing else 'samples'} x {ranks} "
+        f"{cfg.train.micro_batch_size} {'rows' if cfg.data.packing else ('pairs' if cfg.paired else 'samples')} "
+        f"x {ranks} "
         f"= {global_batch} per step; lr {cfg.train.lr:g} ({cfg.train.schedule}, "
         f"{trainer.schedule.warmup_steps} warmup steps)"
     )
-    rows = len(parts.planner.packed_rows) if parts.planner.packed_rows is not None else len(parts.planner.data)
+    planner = parts.planner
+    rows = len(planner.packed_rows) if planner.packed_rows is not None else len(planner.unit_lengths)
     if rows < global_batch:
-        unit = "rows" if cfg.data.packing else "samples"
+        unit = "rows" if cfg.data.packing else ("pairs" if cfg.paired else "samples")
         say(f"train: the data has {rows} {unit}, so a step takes {max(rows, layout.data_size)}, not {global_batch}")
     start = None
     if resume == "auto" and resume_dir is None:

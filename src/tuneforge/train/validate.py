@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,17 +47,27 @@ def validation_batches(
         yield shard_rows(mine, layout.shard, layout.size)
 
 
+@dataclass(frozen=True)
+class ValidationResult:
+    loss: float
+    """The objective's mean over the split's units (target tokens, pairs)."""
+    units: int
+    metrics: dict[str, float]
+    """The objective's figures (`Objective.metric_names`), means over the units."""
+
+
 @torch.no_grad()
-def validation_loss(engine: Engine, batches: list[MicroBatch], objective: Objective) -> tuple[float, int]:
-    """(mean loss per unit over all ranks, units): the objective's mean over the whole split, rows repeated to
-    fill a batch not counted. Every rank runs the same number of forwards; the sums stay on the device until the
-    one read at the end."""
+def validation_loss(engine: Engine, batches: list[MicroBatch], objective: Objective) -> ValidationResult:
+    """The objective's mean over the whole split, rows repeated to fill a batch not counted. Every rank runs the
+    same number of forwards; the sums stay on the device until the one read at the end."""
     engine.model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=objective.forward.device)
+    totals = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=objective.forward.device)
     units = 0
     for batch in batches:
-        total += objective.loss_sum(batch)
+        loss, metrics = objective.evaluate(batch, objective.prepare(batch))
+        totals += torch.stack([loss, *(metrics[name] for name in objective.metric_names)]).double()
         units += objective.count(batch)
     engine.model.train()
-    total, units = engine.sum_across_ranks([float(total), units])
-    return total / max(units, 1.0), int(units)
+    *sums, units = engine.sum_across_ranks([*totals.tolist(), units])
+    mean = [value / max(units, 1.0) for value in sums]
+    return ValidationResult(mean[0], int(units), dict(zip(objective.metric_names, mean[1:], strict=True)))

@@ -6,9 +6,9 @@ import json
 import time
 from pathlib import Path
 
+from tuneforge.diagnostics.files import STOPPED, read_json
 from tuneforge.diagnostics.report import REPORT, build_report
 from tuneforge.errors import UserError
-from tuneforge.watchdog import STOPPED, read_json
 
 
 def _world_size(diagnostics: Path) -> int:

@@ -1,0 +1,130 @@
+"""Preference pairs: a prompt with a chosen and a rejected answer -> two conversations sharing the prompt.
+
+Rows are read in the conversational form TRL and xtuner use, `{"prompt": [messages], "chosen": [messages],
+"rejected": [messages]}`, or without `prompt` when `chosen` and `rejected` are whole conversations that share
+their first messages (the shared part is the prompt). Plain strings stand for one user message (`prompt`) or one
+assistant reply (`chosen`, `rejected`). Only the answers train: assistant messages inside the prompt are history.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tuneforge.config.schema import DataConfig
+from tuneforge.data.conversation import Conversation, SampleError
+from tuneforge.data.formats import _loss_flag, _text, _turns_from_messages, detect_format
+from tuneforge.data.report import DropLog
+from tuneforge.data.sources import MALFORMED_JSON, read_records
+from tuneforge.errors import UserError
+
+CHOSEN, REJECTED = "chosen", "rejected"
+
+
+def answer_origin(where: str) -> str:
+    """The origin of one answer of a pair (`file:line (chosen)`) at the start of a drop's `where` text."""
+    for side in (CHOSEN, REJECTED):
+        marker = f" ({side})"
+        if marker in where:
+            return where[: where.index(marker) + len(marker)]
+    return where
+
+
+def is_pair_record(record: Any) -> bool:
+    return isinstance(record, dict) and CHOSEN in record and REJECTED in record
+
+
+def _messages(value: Any, key: str, role: str) -> list[tuple[str, str, bool]]:
+    """(role, content, train) triples of one field; a string is one message of `role`."""
+    if isinstance(value, str):
+        return [(role, value, True)]
+    if not isinstance(value, list):
+        raise SampleError("malformed record", f"`{key}` is {type(value).__name__}, not a list of messages or a string")
+    triples = []
+    for i, message in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(message, dict):
+            raise SampleError("malformed record", f"{where} is not an object")
+        message_role = message.get("role")
+        if message_role not in ("system", "user", "assistant"):
+            raise SampleError("unknown role", f"{where} has role {message_role!r} (expected system, user or assistant)")
+        train = _loss_flag(message["loss"], where) if message_role == "assistant" and "loss" in message else True
+        triples.append((message_role, _text(message.get("content"), where), train))
+    return triples
+
+
+def _shared_prefix(first: list[tuple[str, str, bool]], second: list[tuple[str, str, bool]]) -> int:
+    shared = 0
+    while shared < min(len(first), len(second)) and first[shared][:2] == second[shared][:2]:
+        shared += 1
+    return shared
+
+
+def _answer(messages: list[tuple[str, str, bool]], key: str) -> list[tuple[str, str, bool]]:
+    if not messages:
+        raise SampleError("missing answer", f"`{key}` has no message after the prompt")
+    if messages[-1][0] != "assistant":
+        raise SampleError("missing answer", f"`{key}` does not end with an assistant message")
+    return messages
+
+
+def pair_conversations(record: Any, origin: str) -> tuple[Conversation, Conversation]:
+    """(chosen, rejected) conversations of one pair row; SampleError names what is wrong with it."""
+    if not isinstance(record, dict):
+        raise SampleError("malformed record", f"expected a JSON object, got {type(record).__name__}")
+    if not is_pair_record(record):
+        present = ", ".join(f"`{k}`" for k in (CHOSEN, REJECTED) if k in record) or "neither"
+        raise SampleError("not a pair", f"a pair needs both `chosen` and `rejected` (this row has {present})")
+    chosen = _messages(record[CHOSEN], CHOSEN, "assistant")
+    rejected = _messages(record[REJECTED], REJECTED, "assistant")
+    if record.get("prompt") is not None:
+        prompt = _messages(record["prompt"], "prompt", "user")
+    else:
+        shared = _shared_prefix(chosen, rejected)
+        # The answers start after the last user message they share: a shared assistant message is history.
+        while shared and chosen[shared - 1][0] != "user":
+            shared -= 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    if not any(role == "user" for role, _, _ in prompt):
+        raise SampleError(
+            "missing prompt",
+            "no user message before the answers (give `prompt`, or start both "
+            "`chosen` and `rejected` with the same user message)",
+        )
+    chosen, rejected = _answer(chosen, CHOSEN), _answer(rejected, REJECTED)
+    if [m[:2] for m in chosen] == [m[:2] for m in rejected]:
+        raise SampleError("identical answers", "`chosen` and `rejected` are the same; the pair teaches nothing")
+    history = [(role, content, False) for role, content, _ in prompt]
+    return (
+        Conversation(_turns_from_messages(history + chosen), f"{origin} ({CHOSEN})"),
+        Conversation(_turns_from_messages(history + rejected), f"{origin} ({REJECTED})"),
+    )
+
+
+def read_pairs(
+    cfg: DataConfig, files: list[str], drops: DropLog
+) -> tuple[list[tuple[Conversation, Conversation]], int]:
+    """Every usable pair of `files` as (chosen, rejected) conversations, and how many rows were read. A file whose
+    first row is a conversation rather than a pair stops here, before any model loads."""
+    pairs = []
+    read = 0
+    for path in files:
+        first = True
+        for record in read_records(path, cfg.on_error, cfg.split):
+            read += 1
+            if record.error is not None:
+                drops.add(MALFORMED_JSON, f"{record.origin}: {record.error}")
+                continue
+            if first and not is_pair_record(record.value):
+                found = detect_format(record.value)
+                keys = ", ".join(map(str, record.value)) if isinstance(record.value, dict) else "none"
+                raise UserError(
+                    f"{record.origin}: train.objective trains on preference pairs, rows with `chosen` and `rejected` "
+                    f"answers (and a `prompt`), but this row has keys {keys}"
+                    + (f" (a {found} conversation: train on it with train.objective: sft)" if found else "")
+                )
+            first = False
+            try:
+                pairs.append(pair_conversations(record.value, record.origin))
+            except SampleError as exc:
+                drops.add(exc.reason, f"{record.origin}: {exc.detail}" if exc.detail else record.origin)
+    return pairs, read

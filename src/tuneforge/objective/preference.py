@@ -1,0 +1,192 @@
+"""Preference objectives over pairs of a chosen and a rejected answer: DPO and its loss family, and ORPO.
+
+A micro-batch's rows hold whole pairs, each answer a sample of its own (isolated by the attention), chosen
+before rejected, so answer k of the batch (row-major) is pair k // 2's chosen (k even) or rejected (k odd). Each
+answer's log-probability is the sum of its target tokens' log-probs, read through the chunked output layer
+(never the batch's full logits). The step's mean is over pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tuneforge.data.batching import MicroBatch
+from tuneforge.data.templates import IGNORE_INDEX
+from tuneforge.model.router_balance import RouterBalance
+from tuneforge.model.transfer import to_device
+from tuneforge.objective.base import Metrics, Objective, SumAcrossRanks
+from tuneforge.objective.forward import TokenForward
+
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
+"""TRL's names, so dashboards built for it read ours."""
+
+ReferenceLogProbs = Callable[[MicroBatch], torch.Tensor]
+"""The reference model's log p(target) at every labelled position of a micro-batch (no gradient)."""
+
+
+@dataclass(frozen=True)
+class AnswerLayout:
+    """Where each labelled position's answer is: the answer index of every target (on the device), and the
+    number of answers and of target tokens per answer."""
+
+    answer_of_target: torch.Tensor
+    answers: int
+    tokens: torch.Tensor
+
+    @staticmethod
+    def of(batch: MicroBatch, device: torch.device) -> AnswerLayout:
+        answer, tokens = answer_of_targets(batch)
+        return AnswerLayout(to_device(answer, device), len(tokens), to_device(tokens.float(), device))
+
+    def sums(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """Per answer: the sum of its targets' log-probs."""
+        return torch.zeros(self.answers, dtype=log_probs.dtype, device=log_probs.device).index_add_(
+            0, self.answer_of_target, log_probs
+        )
+
+    def real_pairs(self) -> torch.Tensor:
+        """1.0 for pairs whose chosen answer has targets (rows repeated to fill a validation batch have none)."""
+        return (self.tokens[0::2] > 0).float()
+
+
+def answer_of_targets(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the answer index of every labelled position, target tokens per answer), from the CPU copy of the batch:
+    nothing here waits on the device."""
+    sequence = batch.sequence_ids
+    per_row = (sequence.max(dim=1).values + 1).clamp(min=0)
+    first = torch.cumsum(per_row, 0) - per_row
+    answer = (first[:, None] + sequence).reshape(-1)[batch.targets.reshape(-1) != IGNORE_INDEX]
+    answers = int(per_row.sum())
+    assert answers % 2 == 0 and answers == batch.num_samples, "rows hold whole pairs"
+    return answer, torch.bincount(answer, minlength=answers)
+
+
+def disabled_adapters_reference(forward: TokenForward, peft_model: torch.nn.Module) -> ReferenceLogProbs:
+    """The reference of LoRA and QLoRA training: the same model with its adapters disabled (no copy)."""
+
+    def reference(batch: MicroBatch) -> torch.Tensor:
+        with torch.no_grad(), peft_model.disable_adapter():
+            return forward.target_log_probs(batch)
+
+    return reference
+
+
+class PairObjective(Objective):
+    unit = "pairs"
+    metric_names = REWARD_METRICS
+
+    def count(self, batch: MicroBatch) -> int:
+        """Pairs whose chosen answer has targets (rows repeated to fill a validation batch have none)."""
+        _, tokens = answer_of_targets(batch)
+        return int((tokens[0::2] > 0).sum())
+
+    def global_count(self, batch: MicroBatch) -> int:
+        return batch.global_samples // 2
+
+    @staticmethod
+    def _rewards(chosen: torch.Tensor, rejected: torch.Tensor, real: torch.Tensor) -> Metrics:
+        chosen, rejected = chosen.detach(), rejected.detach()
+        return {
+            "rewards/chosen": (chosen * real).sum(),
+            "rewards/rejected": (rejected * real).sum(),
+            "rewards/margin": ((chosen - rejected) * real).sum(),
+            "rewards/accuracy": ((chosen > rejected).float() * real).sum(),
+        }
+
+
+class DirectPreference(PairObjective):
+    """DPO: -log sigmoid(beta * margin of the policy's log-ratio over the reference's), and its variants."""
+
+    name = "dpo"
+
+    def __init__(
+        self,
+        forward: TokenForward,
+        reference: ReferenceLogProbs,
+        beta: float,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        sft_weight: float = 0.0,
+        balance: RouterBalance | None = None,
+        sum_across_ranks: SumAcrossRanks | None = None,
+    ):
+        super().__init__(forward, balance, sum_across_ranks)
+        self.reference = reference
+        self.beta = beta
+        self.loss_type = loss_type
+        self.label_smoothing = label_smoothing
+        self.sft_weight = sft_weight
+
+    def prepare(self, batch: MicroBatch) -> torch.Tensor:
+        return self.reference(batch)
+
+    def evaluate(self, batch: MicroBatch, prepared: object) -> tuple[torch.Tensor, Metrics]:
+        assert isinstance(prepared, torch.Tensor)
+        layout = AnswerLayout.of(batch, self.forward.device)
+        policy, reference = layout.sums(self.forward.target_log_probs(batch)), layout.sums(prepared)
+        if self.loss_type == "ipo":  # IPO compares mean token log-probs, so long answers do not dominate
+            lengths = layout.tokens.clamp(min=1)
+            policy, reference = policy / lengths, reference / lengths
+        chosen, rejected = policy[0::2] - reference[0::2], policy[1::2] - reference[1::2]
+        losses = dpo_losses(chosen, rejected, self.beta, self.loss_type, self.label_smoothing)
+        if self.sft_weight:
+            nll = -policy[0::2] if self.loss_type == "ipo" else -policy[0::2] / layout.tokens[0::2].clamp(min=1)
+            losses = losses + self.sft_weight * nll
+        real = layout.real_pairs()
+        return (losses * real).sum(), self._rewards(self.beta * chosen, self.beta * rejected, real)
+
+
+def dpo_losses(chosen: torch.Tensor, rejected: torch.Tensor, beta: float, loss_type: str, smoothing: float):
+    """Per pair, from the log-ratios policy/reference of the chosen and the rejected answer."""
+    margin = chosen - rejected
+    if loss_type == "sigmoid":
+        return -(1 - smoothing) * F.logsigmoid(beta * margin) - smoothing * F.logsigmoid(-beta * margin)
+    if loss_type == "robust":
+        return (-(1 - smoothing) * F.logsigmoid(beta * margin) + smoothing * F.logsigmoid(-beta * margin)) / (
+            1 - 2 * smoothing
+        )
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * margin)
+    if loss_type == "ipo":
+        return (margin - 1 / (2 * beta)) ** 2
+    if loss_type == "sppo_hard":
+        return (chosen - 1 / (2 * beta)) ** 2 + (rejected + 1 / (2 * beta)) ** 2
+    if loss_type == "nca_pair":
+        return -F.logsigmoid(beta * chosen) - 0.5 * F.logsigmoid(-beta * chosen) - 0.5 * F.logsigmoid(-beta * rejected)
+    raise ValueError(f"unknown DPO loss type {loss_type!r}")
+
+
+class OddsRatioPreference(PairObjective):
+    """ORPO: the chosen answer's mean token cross-entropy minus lambda * log sigmoid(log odds ratio of chosen
+    over rejected), no reference model."""
+
+    name = "orpo"
+
+    def __init__(
+        self,
+        forward: TokenForward,
+        weight: float,
+        balance: RouterBalance | None = None,
+        sum_across_ranks: SumAcrossRanks | None = None,
+    ):
+        super().__init__(forward, balance, sum_across_ranks)
+        self.weight = weight
+
+    def evaluate(self, batch: MicroBatch, prepared: object) -> tuple[torch.Tensor, Metrics]:
+        layout = AnswerLayout.of(batch, self.forward.device)
+        mean = layout.sums(self.forward.target_log_probs(batch)) / layout.tokens.clamp(min=1)
+        chosen, rejected = mean[0::2], mean[1::2]
+        losses = -chosen - self.weight * F.logsigmoid(log_odds_ratio(chosen, rejected))
+        real = layout.real_pairs()
+        return (losses * real).sum(), self._rewards(self.weight * chosen, self.weight * rejected, real)
+
+
+def log_odds_ratio(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """log(odds(chosen) / odds(rejected)) from mean token log-probs, odds(p) = p / (1 - p); log(1 - p) as
+    log(-expm1(log p)), with log p kept below 0 so a certain answer stays finite."""
+    chosen, rejected = chosen.clamp(max=-1e-6), rejected.clamp(max=-1e-6)
+    return (chosen - rejected) - (torch.log(-torch.expm1(chosen)) - torch.log(-torch.expm1(rejected)))

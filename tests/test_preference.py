@@ -1,0 +1,325 @@
+"""Preference training (DPO and its loss family, ORPO) on the one training loop: pairs read and rendered like SFT
+data, each answer's log-probability from the chunked output layer, losses equal to their definitions computed
+directly from a plain forward per answer, packed pairs equal to unpacked ones, and the run through the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tuneforge.config.schema import DataConfig, LoraSettings, PreferenceConfig
+from tuneforge.data.batching import collate
+from tuneforge.data.pairs import pair_conversations
+from tuneforge.data.pipeline import build_split
+from tuneforge.data.templates import IGNORE_INDEX, get_template
+from tuneforge.errors import UserError
+from tuneforge.model.adapters import apply_lora
+from tuneforge.objective.log_probs import linear_target_log_probs
+from tuneforge.train.loop import accumulate_gradients
+from tuneforge.train.objectives import build_objective
+
+from conftest import TINY_LLAMA, TUNEFORGE, chat, launch, single_engine, tiny_llama, write_jsonl
+
+LOSS_TYPES = ["sigmoid", "robust", "hinge", "ipo", "sppo_hard", "nca_pair"]
+
+
+def pair(i: int, prompt_as_string: bool = False) -> dict:
+    prompt = f"Convert #{i:06x} to RGB." if prompt_as_string else [{"role": "user", "content": f"Convert #{i:06x}."}]
+    return {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": f"({i}, {i % 7}, {i % 5})"}],
+        "rejected": [{"role": "assistant", "content": f"({i + 3}, {i % 7}, 9{i})"}],
+    }
+
+
+def pair_data(tmp_path, tokenizer, rows: list[dict]):
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    cfg = DataConfig(train_files=[str(path)], cache_dir=None)
+    return build_split("train", cfg, [str(path)], tokenizer, get_template(cfg.template), pairs=True)
+
+
+def lora_model(tokenizer, seed: int = 0):
+    """A tiny Llama with LoRA adapters whose B factors are not zero, so the policy differs from the reference."""
+    model, _ = apply_lora(tiny_llama(tokenizer, seed=seed), LoraSettings(r=4, alpha=8, dropout=0.0))
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
+def answer_log_prob(model, data, index: int) -> float:
+    """log p(answer | prompt) of sample `index`, from a plain forward of that sample alone."""
+    ids, labels = data.sample(index)
+    ids, labels = torch.tensor(ids[None].astype("int64")), torch.tensor(labels.astype("int64"))
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+    wanted = labels[1:]
+    mask = wanted != IGNORE_INDEX
+    return float(log_probs[mask].gather(1, wanted[mask][:, None]).sum())
+
+
+def test_pairs_read_in_every_form_and_bad_rows_are_counted_by_reason(tmp_path, tokenizer):
+    shared = {
+        "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+        "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "go away"}],
+    }
+    rows = [
+        pair(1),
+        pair(2, prompt_as_string=True),
+        shared,
+        {"prompt": "q", "chosen": "same", "rejected": "same"},
+        {"chosen": "a", "rejected": "b"},
+        {"prompt": "q", "chosen": "a"},
+        {"prompt": "q", "chosen": [{"role": "user", "content": "no answer"}], "rejected": "b"},
+    ]
+    split = pair_data(tmp_path, tokenizer, rows)
+    assert split.report.read == 7 and split.report.kept == 3
+    counts = split.report.drops.counts
+    assert counts == {"identical answers": 1, "missing prompt": 1, "not a pair": 1, "missing answer": 1}, counts
+    assert split.report.drops.examples["identical answers"] == [
+        f"{tmp_path / 'pairs.jsonl'}:4: " + ("`chosen` and `rejected` are the same; the pair teaches nothing")
+    ]
+    assert [o.rsplit(" ", 1)[1] for o in split.data.origins] == ["(chosen)", "(rejected)"] * 3
+    chosen, rejected = pair_conversations(shared, "x:3")
+    assert chosen.turns[-1].assistant == "hello" and rejected.turns[-1].assistant == "go away"
+    assert chosen.turns[-1].user == "hi"  # the shared first message is the prompt
+
+
+def test_only_the_answer_trains_and_a_pair_with_a_dropped_answer_is_dropped_once(tmp_path, tokenizer):
+    history = {
+        "prompt": [
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "HISTORY"},
+            {"role": "user", "content": "second"},
+        ],
+        "chosen": "good",
+        "rejected": "x" * 3000,  # over data.max_length: the pair goes, counted once
+    }
+    split = pair_data(tmp_path, tokenizer, [pair(1), {**history, "rejected": "bad"}, history])
+    assert split.report.kept == 2
+    assert split.report.drops.counts == {"longer than data.max_length": 1}
+    assert "(rejected)" in split.report.drops.examples["longer than data.max_length"][0]
+    ids, labels = split.data.sample(2)
+    trained = tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+    assert "good" in trained and "HISTORY" not in trained and "second" not in trained
+
+
+def test_target_log_probs_equal_a_log_softmax_in_value_and_gradient():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(700, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(300, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 300, (700,), generator=generator)
+    upstream = torch.randn(700, generator=generator)
+    chunked = linear_target_log_probs(hidden, weight, targets, torch.float32)
+    (chunked * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    direct = torch.log_softmax(hidden @ weight.T, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    (direct * upstream).sum().backward()
+    torch.testing.assert_close(chunked, direct, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grads[1], weight.grad, atol=1e-5, rtol=1e-4)
+
+
+def definition(loss_type: str, beta: float, smoothing: float, chosen: float, rejected: float) -> float:
+    """Each loss from its paper's formula, on the policy/reference log-ratios of the two answers."""
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    margin = chosen - rejected
+    if loss_type == "sigmoid":
+        return -(1 - smoothing) * math.log(sig(beta * margin)) - smoothing * math.log(sig(-beta * margin))
+    if loss_type == "robust":
+        flipped = math.log(sig(-beta * margin))
+        return (-(1 - smoothing) * math.log(sig(beta * margin)) + smoothing * flipped) / (1 - 2 * smoothing)
+    if loss_type == "hinge":
+        return max(0.0, 1 - beta * margin)
+    if loss_type == "ipo":
+        return (margin - 1 / (2 * beta)) ** 2
+    if loss_type == "sppo_hard":
+        return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
+    if loss_type == "nca_pair":
+        return (
+            -math.log(sig(beta * chosen)) - 0.5 * math.log(sig(-beta * chosen)) - 0.5 * math.log(sig(-beta * rejected))
+        )
+    raise AssertionError(loss_type)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_dpo_loss_of_a_batch_equals_its_definition(tmp_path, tokenizer, loss_type):
+    split = pair_data(tmp_path, tokenizer, [pair(i) for i in range(3)])
+    data, model = split.data, lora_model(tokenizer)
+    settings = PreferenceConfig(beta=0.5, loss_type=loss_type, label_smoothing=0.1, sft_weight=0.3)
+    engine = single_engine(model)
+    objective = build_objective(engine, "fp32", objective="dpo", preference=settings)
+    # Pairs 0 and 1 share a row, pair 2 has its own: packing does not change what a pair contributes.
+    batch = collate(data, [[0, 1, 2, 3], [4, 5]], tokenizer.pad_token_id, packed=True)
+    step = accumulate_gradients(engine, [batch], objective)
+
+    expected, rewards = [], []
+    for k in range(3):
+        policy = [answer_log_prob(model, data, 2 * k + side) for side in (0, 1)]
+        with model.disable_adapter():
+            reference = [answer_log_prob(model, data, 2 * k + side) for side in (0, 1)]
+        lengths = [int((data.sample(2 * k + side)[1][1:] != IGNORE_INDEX).sum()) for side in (0, 1)]
+        if loss_type == "ipo":
+            policy = [p / n for p, n in zip(policy, lengths, strict=True)]
+            reference = [r / n for r, n in zip(reference, lengths, strict=True)]
+        chosen, rejected = policy[0] - reference[0], policy[1] - reference[1]
+        nll = -policy[0] if loss_type == "ipo" else -policy[0] / lengths[0]
+        expected.append(definition(loss_type, 0.5, 0.1, chosen, rejected) + 0.3 * nll)
+        rewards.append((0.5 * chosen, 0.5 * rejected))
+    assert step.loss == pytest.approx(sum(expected) / 3, rel=1e-4, abs=1e-5)
+    assert step.metrics["rewards/chosen"] == pytest.approx(sum(c for c, _ in rewards) / 3, rel=1e-4, abs=1e-6)
+    assert step.metrics["rewards/margin"] == pytest.approx(sum(c - r for c, r in rewards) / 3, rel=1e-4, abs=1e-6)
+    assert step.metrics["rewards/accuracy"] == pytest.approx(sum(c > r for c, r in rewards) / 3)
+
+
+def test_orpo_equals_its_definition(tmp_path, tokenizer):
+    split = pair_data(tmp_path, tokenizer, [pair(i) for i in range(2)])
+    data, model = split.data, lora_model(tokenizer)
+    engine = single_engine(model)
+    objective = build_objective(engine, "fp32", objective="orpo", preference=PreferenceConfig(orpo_lambda=0.25))
+    step = accumulate_gradients(engine, [collate(data, [[0, 1], [2, 3]], tokenizer.pad_token_id, True)], objective)
+    expected = []
+    for k in range(2):
+        means = []
+        for side in (0, 1):
+            tokens = int((data.sample(2 * k + side)[1][1:] != IGNORE_INDEX).sum())
+            means.append(answer_log_prob(model, data, 2 * k + side) / tokens)
+        odds = [m - math.log(1 - math.exp(m)) for m in means]
+        expected.append(-means[0] - 0.25 * math.log(1 / (1 + math.exp(-(odds[0] - odds[1])))))
+    assert step.loss == pytest.approx(sum(expected) / 2, rel=1e-4)
+
+
+def test_pairs_packed_in_one_row_train_as_in_rows_of_their_own(tmp_path, tokenizer):
+    split = pair_data(tmp_path, tokenizer, [pair(i) for i in range(3)])
+    results = []
+    for rows in ([[0, 1, 2, 3, 4, 5]], [[0, 1], [2, 3], [4, 5]]):
+        model = lora_model(tokenizer)
+        engine = single_engine(model)
+        objective = build_objective(engine, "fp32", objective="dpo", preference=PreferenceConfig(beta=0.3))
+        step = accumulate_gradients(engine, [collate(split.data, rows, tokenizer.pad_token_id, True)], objective)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((step, grads))
+    (packed, packed_grads), (rows, row_grads) = results
+    assert packed.loss == pytest.approx(rows.loss, rel=1e-5)
+    assert packed_grads.keys() == row_grads.keys() and packed_grads
+    for name in packed_grads:
+        torch.testing.assert_close(packed_grads[name], row_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+DPO_CONFIG = (
+    TINY_LLAMA.replace("tokenizer: bytes,", "tokenizer: bytes, lora: {r: 4, alpha: 8, dropout: 0.0},")
+    + """data: {train_files: [pairs.jsonl], cache_dir: null}
+train: {objective: dpo, lr: 1.0e-2, micro_batch_size: 2, gradient_accumulation: 2, max_steps: 6, precision: fp32}
+preference: {beta: 0.5}
+checkpoint: {every_steps: 3}
+log: {progress: lines}
+"""
+)
+
+
+def test_dpo_through_the_cli_logs_rewards_and_resumes_exactly(tmp_path):
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(24)])
+    (tmp_path / "cfg.yaml").write_text(DPO_CONFIG)
+    whole = launch(tmp_path / "cfg.yaml", tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "x 2 pairs x 1 rank(s)" in whole.stdout and "acc " in whole.stdout
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at the start
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"} <= records[-1].keys()
+    assert records[-1]["rewards/margin"] > 0 and records[-1]["loss"] < math.log(2)
+    # Killed after step 3's checkpoint, resumed: the same steps as without the interruption.
+    cut = launch(tmp_path / "cfg.yaml", tmp_path / "cut", "train.max_steps=6", fault="kill:0:4")
+    assert cut.returncode != 0
+    resumed = launch(tmp_path / "cfg.yaml", tmp_path / "cut", "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == list(range(1, 7))
+    for mine, theirs in zip(again, records, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-6)
+        assert mine["rewards/margin"] == pytest.approx(theirs["rewards/margin"], abs=1e-6)
+
+
+def test_the_wrong_kind_of_data_stops_before_the_model_loads(tmp_path):
+    import subprocess
+
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(4)])
+    write_jsonl(tmp_path / "chats.jsonl", [chat("q", "a")])
+    (tmp_path / "cfg.yaml").write_text(DPO_CONFIG)
+    sft_on_pairs = subprocess.run(
+        [TUNEFORGE, "data", "check", str(tmp_path / "cfg.yaml"), "train.objective=sft"], capture_output=True, text=True
+    )
+    assert sft_on_pairs.returncode != 0
+    assert "pairs.jsonl:1: this row is a preference pair" in sft_on_pairs.stderr
+    assert "set train.objective: dpo or orpo" in sft_on_pairs.stderr
+    dpo_on_chats = subprocess.run(
+        [TUNEFORGE, "data", "check", str(tmp_path / "cfg.yaml"), "data.train_files=[chats.jsonl]"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert dpo_on_chats.returncode != 0
+    assert "chats.jsonl:1: train.objective trains on preference pairs" in dpo_on_chats.stderr
+    assert "(a openai conversation: train on it with train.objective: sft)" in dpo_on_chats.stderr
+    checked = subprocess.run(
+        [TUNEFORGE, "data", "check", str(tmp_path / "cfg.yaml")], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert checked.returncode == 0 and "4 records read from 1 source(s); 4 kept" in checked.stdout
+    full = subprocess.run(
+        [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "model.lora=null"], capture_output=True, text=True
+    )
+    assert full.returncode != 0 and "train.objective: dpo needs a reference model" in full.stderr
+
+
+def test_a_data_file_with_pairs_is_rejected_by_sft_in_the_library_too(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "pairs.jsonl", [pair(1)])
+    cfg = DataConfig(train_files=[str(path)], cache_dir=None)
+    with pytest.raises(UserError, match="this row is a preference pair"):
+        build_split("train", cfg, [str(path)], tokenizer, get_template(cfg.template))
+
+
+PAIRED_JOB = """\
+model: {model}
+data: {{train_files: [pairs.jsonl], cache_dir: null}}
+train: {{objective: dpo, lr: 1.0e-2, warmup_steps: 1, precision: fp32, gradient_accumulation: 2, max_steps: 3}}
+preference: {{beta: 0.5, sft_weight: 0.2}}
+checkpoint: {{every_steps: 0}}
+log: {{progress: lines}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("model", "engine", "lora"),
+    [
+        ("llama", "ddp", "model.lora={r: 4, alpha: 8, dropout: 0.0}"),
+        ("deepseek_v2", "zero3_offload", "model.lora={r: 4, alpha: 8, dropout: 0.0, experts: true}"),
+    ],
+)
+def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora):
+    """The same global batch of pairs on 2 ranks and in 1 process: the same losses, rewards and adapter. The
+    MoE case is the report's set-up in small (adapters on the routed experts, ZeRO-3 with CPU offload), where the
+    reference pass (adapters disabled) must not add router statistics: the router loss matches too."""
+    from safetensors.torch import load_file
+
+    from conftest import ENGINES, TINY_MODELS, metrics, train_here
+
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
+    config = tmp_path / "cfg.yaml"
+    config.write_text(PAIRED_JOB.format(model=TINY_MODELS[model]))
+    one = train_here(config, tmp_path / "one", "train.micro_batch_size=4", lora)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch(config, tmp_path / "two", "train.micro_batch_size=2", lora, *ENGINES[engine], ranks=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    mine, theirs = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    for key in ("loss", "rewards/margin", "rewards/accuracy", *(["router_aux_loss"] if model != "llama" else [])):
+        assert [r[key] for r in mine] == pytest.approx([r[key] for r in theirs], abs=1e-5), key
+    adapter = tmp_path / "{}" / "checkpoints" / "final" / "adapter_model.safetensors"
+    one_weights, two_weights = (load_file(str(adapter).format(run)) for run in ("one", "two"))
+    assert one_weights.keys() == two_weights.keys()
+    for name, tensor in one_weights.items():
+        torch.testing.assert_close(two_weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
