@@ -6,7 +6,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test gpu-test lint format
+.PHONY: demo test test-fast gpu-test lint format
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(VENV)/bin/pytest -q
+
+# The edit-test loop: everything but the tests marked slow (training runs, subprocesses, several ranks).
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow"
 
 # On a machine with a CUDA GPU (and a CUDA build of torch): the GPU hot path's checks, skipped elsewhere.
 gpu-test: $(STAMP)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_lora.py"
 
 
@@ -21,6 +23,7 @@ def run_benchmark(*args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_compares_both_contenders_and_the_doctor_on_tiny_shapes():
     out = run_benchmark("--models", "deepseek_v2_lite")
     table = [line.split() for line in out.splitlines() if line.endswith(("of 16", "rows of 2048"))]
@@ -31,6 +34,7 @@ def test_the_gpu_benchmark_compares_both_contenders_and_the_doctor_on_tiny_shape
     assert "doctor's estimate on H200 141GB for 3 rows of 2048 per step" in out
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_runs_tuneforge_train_beside_its_step_on_tiny_shapes():
     out = run_benchmark("--models", "deepseek_v2_lite", "--train-run")
     assert "tuneforge train failed" not in out, out

@@ -38,6 +38,7 @@ def two_checkpoints(tmp_path):
     return tmp_path / "run" / "checkpoints"
 
 
+@pytest.mark.slow
 def test_resume_passes_over_a_truncated_checkpoint_and_refuses_one_that_cannot_be_read(
     tmp_path, two_checkpoints, capsys
 ):
@@ -63,6 +64,7 @@ def test_resume_passes_over_a_truncated_checkpoint_and_refuses_one_that_cannot_b
     assert str(info.value).endswith(f"; an older one: --resume {two_checkpoints / 'step-4'}")
 
 
+@pytest.mark.slow
 def test_when_every_checkpoint_is_damaged_resume_auto_refuses_instead_of_starting_over(tmp_path, two_checkpoints):
     for name in ("step-2", "step-4"):
         (two_checkpoints / name / "model.safetensors").unlink()
@@ -75,6 +77,7 @@ def test_when_every_checkpoint_is_damaged_resume_auto_refuses_instead_of_startin
     assert lines[-1].startswith("every step checkpoint of this run is damaged: restore one (--resume PATH)")
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_save_keeps_the_previous_checkpoint_and_says_what_one_takes(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(20)])
     (tmp_path / "cfg.yaml").write_text(CONFIG)
@@ -89,6 +92,7 @@ def test_a_full_disk_at_save_keeps_the_previous_checkpoint_and_says_what_one_tak
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]  # the half-written one is gone
 
 
+@pytest.mark.slow
 def test_chat_and_export_of_a_damaged_checkpoint_or_to_an_unusable_out_say_so(tmp_path, two_checkpoints, capsys):
     from tuneforge.cli import main
 
@@ -112,6 +116,7 @@ def test_chat_and_export_of_a_damaged_checkpoint_or_to_an_unusable_out_say_so(tm
     assert capsys.readouterr().err.startswith(f"error: {weights}: not readable (")
 
 
+@pytest.mark.slow
 def test_a_resume_on_training_data_that_changed_says_what_it_will_do(tmp_path, two_checkpoints, capsys):
     write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(10)])
     capsys.readouterr()
@@ -123,6 +128,7 @@ def test_a_resume_on_training_data_that_changed_says_what_it_will_do(tmp_path, t
     assert "at epoch 1, step 2 of 3 in it" in out  # 10 samples in micro-batches of 2, accumulation 2: 3 steps
 
 
+@pytest.mark.slow
 def test_an_unchanged_resume_says_nothing_of_the_data_and_a_mangled_state_file_is_refused(
     tmp_path, two_checkpoints, capsys
 ):
@@ -135,6 +141,7 @@ def test_an_unchanged_resume_says_nothing_of_the_data_and_a_mangled_state_file_i
         train(tmp_path, "train.max_steps=5", resume=str(two_checkpoints / "step-2"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "state",
     [{"step": "4"}, {"step": -2}, {"micro_batch_size": 0}, {"engine": 3}, {"best_val_loss": "low"}],
@@ -148,6 +155,7 @@ def test_a_hand_edited_state_file_is_refused_with_the_field_named(tmp_path, two_
         train(tmp_path, "train.max_steps=6", resume=str(two_checkpoints / "step-4"))
 
 
+@pytest.mark.slow
 def test_a_manifest_naming_files_outside_its_checkpoint_is_never_followed(tmp_path, two_checkpoints):
     manifest = two_checkpoints / "step-4" / "manifest.json"
     outside = tmp_path / "secret.txt"

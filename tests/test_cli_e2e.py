@@ -37,11 +37,13 @@ def demo_run(tmp_path_factory):
     return work_dir, result.stdout, overrides
 
 
+@pytest.mark.slow
 def test_resolved_config_is_written(demo_run):
     work_dir, _, overrides = demo_run
     assert load_config(work_dir / "config.yaml") == load_config(REPO / "configs" / "demo.yaml", overrides)
 
 
+@pytest.mark.slow
 def test_metrics_have_one_record_per_step_and_the_loss_falls(demo_run):
     work_dir, _, _ = demo_run
     records = [json.loads(line) for line in (work_dir / "metrics.jsonl").open()]
@@ -53,6 +55,7 @@ def test_metrics_have_one_record_per_step_and_the_loss_falls(demo_run):
     assert last < 0.5 * first
 
 
+@pytest.mark.slow
 def test_checkpoints_are_hugging_face_directories(demo_run):
     work_dir, _, _ = demo_run
     names = sorted(p.name for p in (work_dir / "checkpoints").iterdir())
@@ -62,6 +65,7 @@ def test_checkpoints_are_hugging_face_directories(demo_run):
             assert (work_dir / "checkpoints" / name / file).exists(), (name, file)
 
 
+@pytest.mark.slow
 def test_samples_and_accuracy_are_reported(demo_run):
     work_dir, stdout, _ = demo_run
     samples = [json.loads(line) for line in (work_dir / "samples.jsonl").open()]
@@ -72,6 +76,7 @@ def test_samples_and_accuracy_are_reported(demo_run):
     assert printed and float(printed.group(1)) == pytest.approx(result["accuracy"], abs=5e-4)
 
 
+@pytest.mark.slow
 def test_chat_answers_from_the_checkpoint_like_the_final_sample(demo_run, capsys):
     from tuneforge.cli import main
 

@@ -160,6 +160,7 @@ def test_demo_config_is_valid():
     assert config.eval.exact_match is not None and config.eval.exact_match.label == "demo"
 
 
+@pytest.mark.slow
 def test_cli_reports_config_errors_in_one_line_before_loading_anything(tmp_path):
     path = write(tmp_path, BASE + "  lrr: 3\n")
     work_dir = tmp_path / "wd"

@@ -63,6 +63,7 @@ def one_process(tmp_path_factory):
 
 # The sharded engines with the MoE model (its experts make ranks' work differ) and the dense one; DDP with an
 # MoE model is the expert-adapter case below. The CI's 30 minutes do not hold the full product.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "engine"),
     [("deepseek_v2", engine) for engine in ("fsdp", "zero2", "zero3_offload")]
@@ -94,6 +95,7 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, one_pr
 EXPERT_ADAPTERS = "model.lora={r: 4, alpha: 8, dropout: 0.0, experts: true}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "engine"),
     [("deepseek_v2", "zero3_offload"), ("mixtral", "fsdp"), ("qwen3_moe", "ddp")],
@@ -150,6 +152,7 @@ def assert_peft_loads_it_as_trained(work_dir: Path) -> None:
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_nodes_simulated_on_this_machine_equal_one_node(tmp_path, one_process):
     config, one = one_process("llama")
     port = str(free_port())
@@ -185,6 +188,7 @@ def test_two_nodes_simulated_on_this_machine_equal_one_node(tmp_path, one_proces
     assert losses(tmp_path / "two") == pytest.approx(losses(one), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp_samples_evaluates_and_saves_loadable_checkpoints_without_hanging(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tuneforge.config.schema import Config
 from tuneforge.data.byte_tokenizer import build_byte_tokenizer
 from tuneforge.data.jinja_template import to_jinja
@@ -174,6 +176,7 @@ def test_variables_naming_absent_hardware_warn():
     assert check_environment({}).status == PASS
 
 
+@pytest.mark.slow
 def test_train_refuses_a_failing_setup_before_loading_the_model(tmp_path, capsys):
     from tuneforge.cli import main
 

@@ -56,9 +56,9 @@ def test_generated_deepspeed_json_follows_our_config_and_user_json_wins(tmp_path
         ({"engine": "ddp", "cpu_offload": "all"}, "needs engine fsdp or deepspeed"),
     ],
 )
-def test_offload_combinations_that_cannot_work_are_refused(fields, message):
-    with pytest.raises(ValueError, match=message):
-        ParallelConfig(**fields)
+def test_offload_combinations_that_cannot_work_are_refused_by_their_engine(fields, message):
+    with pytest.raises(UserError, match=message):
+        choose_engine(fields["engine"], info(2), ParallelConfig(**fields))
 
 
 def test_moe_blocks_and_decoder_layers_are_found_by_structure(tokenizer):
@@ -94,3 +94,34 @@ def test_each_engine_states_its_traits_before_it_is_built():
     assert not engine_traits("deepspeed", ParallelConfig(engine="deepspeed", **unsafe), bf16).moe_safety
     assert facts["fsdp"].moe_safety and facts["deepspeed"].moe_safety
     assert facts["deepspeed"].label == "deepspeed ZeRO-3" and facts["fsdp"].label == "fsdp (FSDP2)"
+
+
+def test_a_non_finite_step_is_skipped_on_the_device_with_weights_moments_and_count_kept(tokenizer):
+    """The fused AdamW takes the skip decision as a tensor (`found_inf`): no host read of the norm is needed,
+    and a skipped step leaves everything as it was, while the next finite one applies as usual."""
+    from tuneforge.config.schema import TrainConfig
+    from tuneforge.engines.single import SingleEngine
+    from tuneforge.train.optim import build_optimizer
+
+    model = tiny_llama(tokenizer)
+    engine = SingleEngine(model, lambda m: build_optimizer(m, TrainConfig(precision="fp32")))
+    assert engine.optimizer.defaults["fused"]
+
+    def step_with(value: float) -> torch.Tensor:
+        for param in model.parameters():
+            param.grad = torch.full_like(param, value)
+        return engine.step(1e-2, 1.0)
+
+    assert torch.isfinite(step_with(0.5))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {k: {s: t.clone() for s, t in v.items()} for k, v in engine.optimizer.state.items()}
+    norm = step_with(float("nan"))
+    assert isinstance(norm, torch.Tensor) and not torch.isfinite(norm)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    for key, state in engine.optimizer.state.items():
+        for slot, tensor in state.items():
+            assert torch.equal(tensor, moments[key][slot]), slot
+    step_with(0.5)
+    assert not torch.equal(next(model.parameters()), next(iter(before.values())))
+    assert float(next(iter(engine.optimizer.state.values()))["step"]) == 2.0

@@ -57,6 +57,7 @@ def test_scaler_halves_on_overflow_and_doubles_after_a_clean_window():
     assert parameter.grad.tolist() == [2.0, 2.0]
 
 
+@pytest.mark.slow
 def test_overflowing_steps_are_skipped_counted_and_the_scale_found(job):
     # 2^24 overflows this model's fp16 gradients; each overflow halves the scale until the gradients fit.
     result = train(job, "run", "train.initial_loss_scale=16777216", here=True)
@@ -75,6 +76,7 @@ def test_overflowing_steps_are_skipped_counted_and_the_scale_found(job):
     assert "fp16 gradients overflowed at loss scale 1.67772e+07; the step was skipped" in result.stdout
 
 
+@pytest.mark.slow
 def test_gradients_are_unscaled_before_the_norm(job):
     """The reported norm (and so clipping) is that of the true gradients: fp16 matches fp32 closely."""
     assert train(job, "fp32", "train.precision=fp32", "train.max_steps=3", here=True).returncode == 0
@@ -87,6 +89,7 @@ def test_gradients_are_unscaled_before_the_norm(job):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=0.01)
 
 
+@pytest.mark.slow
 def test_resume_restores_the_loss_scale(job):
     """Overflow before the checkpoint and growth after it: the resumed run's scales and losses are the same."""
     overrides = ["train.initial_loss_scale=16777216", "train.loss_scale_window=2", "checkpoint.every_steps=3"]
@@ -113,6 +116,7 @@ def deepspeed_has_fp16() -> bool:
     return get_accelerator().is_fp16_supported()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
 def test_sharded_engines_skip_overflow_on_two_ranks(job, engine):
     """FSDP2 unscales sharded gradients itself; DeepSpeed gets the same settings for its own scaler, or, on a

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import TINY_LLAMA, TUNEFORGE, chat, free_port, launch, write_jsonl
 
 CONFIG = (
@@ -49,6 +51,7 @@ def assert_failed_with(result, report: str, seconds: float, cause: str) -> None:
     assert seconds < SLACK_S, seconds
 
 
+@pytest.mark.slow
 def test_a_rank_that_skips_an_all_reduce(tmp_path):
     result, report, seconds = run_with_fault(tmp_path, "skip_all_reduce:1:2")
     assert_failed_with(result, report, seconds, "skipped_collective")
@@ -56,6 +59,7 @@ def test_a_rank_that_skips_an_all_reduce(tmp_path):
     assert "rank(s) 0 issued all_reduce" in report and "diverged: rank(s) 1" in report
 
 
+@pytest.mark.slow
 def test_a_collective_issued_on_rank_0_only(tmp_path):
     result, report, seconds = run_with_fault(tmp_path, "rank_only_collective:0:2")
     assert_failed_with(result, report, seconds, "rank_only_path")
@@ -64,6 +68,7 @@ def test_a_collective_issued_on_rank_0_only(tmp_path):
     assert "likely cause: a code path taken by some ranks only" in report
 
 
+@pytest.mark.slow
 def test_a_collective_mismatch_that_aborts_a_rank_is_named_with_its_line(tmp_path):
     """Model code that issues an all-reduce on rank 0 only, in a forward: gloo pairs it with rank 1's gradient
     all-reduce of another size and aborts a rank (SIGABRT, no Python exception, no dump). The report still
@@ -84,6 +89,7 @@ def test_a_collective_mismatch_that_aborts_a_rank_is_named_with_its_line(tmp_pat
     assert seconds < SLACK_S, seconds
 
 
+@pytest.mark.slow
 def test_one_rank_with_one_more_batch(tmp_path):
     result, report, seconds = run_with_fault(tmp_path, "extra_batch:1:3", engine="fsdp")
     assert_failed_with(result, report, seconds, "uneven_data")
@@ -91,6 +97,7 @@ def test_one_rank_with_one_more_batch(tmp_path):
     assert "all_gather" in report
 
 
+@pytest.mark.slow
 def test_a_straggler_in_data_loading_is_slow_not_hung(tmp_path):
     # Step 3: DDP's first synchronised step (step 2) rebuilds its buckets with a broadcast made in C++, which
     # no recorder sees; from then on the wait is in the recorded gradient all-reduce.
@@ -102,6 +109,7 @@ def test_a_straggler_in_data_loading_is_slow_not_hung(tmp_path):
     assert "for rank 1, which is busy in phase 'data' at step 3" in slow[0] and "straggler: rank 1" in slow[0]
 
 
+@pytest.mark.slow
 def test_a_rank_killed_with_sigkill_then_diagnose_prints_the_report_again_and_dumps_a_live_job(tmp_path):
     (tmp_path / "failed").mkdir()
     (tmp_path / "live").mkdir()
@@ -127,6 +135,7 @@ def test_a_rank_killed_with_sigkill_then_diagnose_prints_the_report_again_and_du
     assert "rank 0: phase forward/backward, step 3" in dump.stdout and "waiting in #" in dump.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_rank_at_a_step_end_with_a_checkpoint(tmp_path):
     """How SLURM and Kubernetes stop a job: SIGTERM to the launcher, which passes it on to the ranks. Rank 1 is
     loading step 3's data (slowly), rank 0 waits for it in a collective: neither is stuck, so both finish step 3,
@@ -210,6 +219,7 @@ def test_collectives_in_backward_name_the_module_whose_backward_runs(tmp_path):
     assert issued == [("barrier", "0"), ("barrier", "1"), ("all_reduce", "1"), ("all_reduce", "0")], issued
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_named_and_the_job_ends_with_the_stall_status_at_once(tmp_path):
     """SIGSTOP on rank 1 (what Ctrl-Z, a debugger or a swapping machine does): rank 0 waits in a collective until
     the 4 s limit; the report names the frozen rank as the cause, the frozen worker is ended (the launcher would

@@ -74,6 +74,7 @@ def all_gone(pids: list[int], within_s: float) -> bool:
     return not any(alive(pid) for pid in pids)
 
 
+@pytest.mark.slow
 def test_workers_end_with_a_launcher_killed_with_its_process_group_and_a_resume_right_after_works(tmp_path):
     write_job(tmp_path)
     run = tmp_path / "run"
@@ -119,6 +120,7 @@ def assert_stopped_with_one_message(result, head: str) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("engine", "size"), [("ddp", "1000k"), ("zero3_offload", "1400k")])
 def test_a_disk_that_fills_during_a_checkpoint_stops_every_rank_and_keeps_the_previous_one(tmp_path, engine, size):
     """The work dir on a file system that holds step-2 (about 650 KiB under DDP, 700 KiB under the report's
@@ -141,6 +143,7 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_every_rank_and_keeps_the_pr
         assert [r["step"] for r in metrics(run)] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_at_the_first_checkpoint_stops_every_rank_with_the_limit_named(tmp_path):
     """`ulimit -f` of 300 KiB for the launcher and its workers: the optimizer state (about 460 KiB) cannot be
     written. Nothing is left in checkpoints/, and the message names the limit."""
@@ -160,6 +163,7 @@ def test_a_file_size_limit_at_the_first_checkpoint_stops_every_rank_with_the_lim
     assert list((run / "checkpoints").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_checkpoint_directory_unwritable_on_one_rank_stops_both_with_one_message(tmp_path):
     write_job(tmp_path)
     result = launch(tmp_path / "cfg.yaml", tmp_path / "run", ranks=2, fault="unwritable_in_save:1:4")
@@ -170,6 +174,7 @@ def test_a_checkpoint_directory_unwritable_on_one_rank_stops_both_with_one_messa
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_during_the_stop_checkpoint_stops_every_process_at_once(tmp_path):
     """The first Ctrl-C makes the ranks finish the step and save it (rank 0's save is made 30 s slow); the second
     stops at once, as the first one's message promises: the ranks used to ignore it while saving for the stop,
@@ -239,6 +244,7 @@ def test_write_faults_are_read_from_the_errors_writers_wrap_them_in(tmp_path):
         assert classify(exc, tmp_path) == fault, exc
 
 
+@pytest.mark.slow
 def test_a_master_port_in_use_is_named_before_the_workers_start(tmp_path):
     import socket
 

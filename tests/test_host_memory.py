@@ -46,12 +46,14 @@ LIBC, VERSION = platform.libc_ver()
 GLIBC = LIBC == "glibc" and tuple(int(part) for part in VERSION.split(".")[:2]) >= (2, 33)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc 2.33+ (mallinfo2)")
 def test_large_blocks_come_from_the_heap_once_tuned():
     assert probe("plain") == "False 1 1"  # glibc's default: a fresh mapping for a 64 MiB block
     assert probe("tune") == "True 0 1"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc 2.33+ (mallinfo2)")
 def test_a_user_tuned_allocator_is_left_alone():
     assert probe("tune", MALLOC_ARENA_MAX="2") == "False 1 1"

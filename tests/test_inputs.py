@@ -214,6 +214,7 @@ def test_a_work_dir_without_room_for_one_checkpoint_is_refused_and_for_a_few_war
     assert disk_room_problems(tmp_path / "run", 1024, 2) == ([], [])
 
 
+@pytest.mark.slow
 def test_train_refuses_missing_inputs_before_writing_anything(tmp_path, capsys):
     (tmp_path / "cfg.yaml").write_text(CONFIG)
     assert main(["train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / "run")]) == 2
@@ -224,6 +225,7 @@ def test_train_refuses_missing_inputs_before_writing_anything(tmp_path, capsys):
 # --- the launcher's flags ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "words"),
     [

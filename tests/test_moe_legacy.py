@@ -87,6 +87,7 @@ def test_the_legacy_blocks_are_found_by_structure():
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_legacy_moe_trains_to_the_end(legacy_job, engine):
     result = run(legacy_job, engine, *ENGINES[engine])
@@ -95,6 +96,7 @@ def test_legacy_moe_trains_to_the_end(legacy_job, engine):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_without_leaf_modules_zero3_fails_instead_of_finishing(legacy_job):
     """Proof that the test above can fail: without MoE leaf modules, ranks whose tokens reach different experts
     issue different per-expert parameter gathers. It ends in a gloo error or in our watchdog's stall report,

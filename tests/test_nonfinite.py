@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import subprocess
 
+import pytest
+
 from conftest import TINY_LLAMA, chat, launch, metrics, train_here, write_jsonl
 
 CONFIG = (
@@ -27,6 +29,7 @@ def run(tmp_path, name: str, fault: str, *extra: str, ranks: int = 1) -> subproc
     return launch(tmp_path / "cfg.yaml", tmp_path / name, *extra, *engine, ranks=ranks, fault=fault)
 
 
+@pytest.mark.slow
 def test_a_nan_step_is_skipped_and_its_samples_named(tmp_path):
     clean = run(tmp_path, "clean", "")
     poisoned = run(tmp_path, "nan", "nan_loss:0:3")
@@ -42,6 +45,7 @@ def test_a_nan_step_is_skipped_and_its_samples_named(tmp_path):
     assert line.count("train.jsonl:") == 2  # the micro-batch of 2 samples, by file:line
 
 
+@pytest.mark.slow
 def test_too_many_in_a_row_stop_with_a_clear_message(tmp_path):
     result = run(tmp_path, "stop", "nan_loss:0:2", "train.max_nonfinite_steps=1")
     assert result.returncode == 2
@@ -49,6 +53,7 @@ def test_too_many_in_a_row_stop_with_a_clear_message(tmp_path):
     assert "--resume auto" in result.stderr
 
 
+@pytest.mark.slow
 def test_two_ranks_skip_together_and_name_the_samples_of_both(tmp_path):
     result = run(tmp_path, "ddp", "nan_loss:1:3", ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -289,19 +289,29 @@ def test_tokenized_helper_matches_pipeline(tmp_path, tokenizer):
     assert np.array_equal(data.input_ids, tokenized(tokenizer, RECORDS).input_ids)
 
 
-def test_other_ranks_wait_for_rank_zero_then_read_its_cache(tmp_path, tokenizer):
+def test_other_ranks_wait_for_rank_zero_then_read_its_cache(tmp_path, tokenizer, monkeypatch):
     import threading
+
+    from tuneforge.data import pipeline
 
     path = write_jsonl(tmp_path / "a.jsonl", RECORDS)
     cfg = config(tmp_path, [path])
     template = get_template(cfg.template)
     results = {}
+    waiting = threading.Event()
+    wait_for = pipeline._wait_for
+
+    def noted_wait(*args, **kwargs):
+        waiting.set()
+        return wait_for(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_wait_for", noted_wait)
     waiter = threading.Thread(
         target=lambda: results.update(rank1=prepare_split("train", cfg, cfg.train_files, tokenizer, template, 1, 2))
     )
     waiter.start()
-    waiter.join(timeout=1.0)
-    assert waiter.is_alive()  # rank 1 does not build the data itself
+    assert waiting.wait(timeout=30)  # rank 1 waits for rank 0's cache rather than building the data itself
+    assert waiter.is_alive() and "rank1" not in results
     built, cached = prepare_split("train", cfg, cfg.train_files, tokenizer, template, 0, 2)
     waiter.join(timeout=30)
     assert not cached

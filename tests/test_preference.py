@@ -76,15 +76,24 @@ def test_pairs_read_in_every_form_and_bad_rows_are_counted_by_reason(tmp_path, t
         {"chosen": "a", "rejected": "b"},
         {"prompt": "q", "chosen": "a"},
         {"prompt": "q", "chosen": [{"role": "user", "content": "no answer"}], "rejected": "b"},
+        {**shared, "prompt": "hi"},  # a prompt column beside whole conversations, repeating their first message
+        {**shared, "prompt": "something else"},
     ]
     split = pair_data(tmp_path, tokenizer, rows)
-    assert split.report.read == 7 and split.report.kept == 3
+    assert split.report.read == 9 and split.report.kept == 4
     counts = split.report.drops.counts
-    assert counts == {"identical answers": 1, "missing prompt": 1, "not a pair": 1, "missing answer": 1}, counts
+    assert counts == {
+        "identical answers": 1,
+        "missing prompt": 1,
+        "not a pair": 1,
+        "missing answer": 1,
+        "conflicting prompt": 1,
+    }, counts
     assert split.report.drops.examples["identical answers"] == [
         f"{tmp_path / 'pairs.jsonl'}:4: " + ("`chosen` and `rejected` are the same; the pair teaches nothing")
     ]
-    assert [o.rsplit(" ", 1)[1] for o in split.data.origins] == ["(chosen)", "(rejected)"] * 3
+    assert [o.rsplit(" ", 1)[1] for o in split.data.origins] == ["(chosen)", "(rejected)"] * 4
+    assert split.data.sample(6)[0].tolist() == split.data.sample(4)[0].tolist()  # the repeated prompt is not doubled
     chosen, rejected = pair_conversations(shared, "x:3")
     assert chosen.turns[-1].assistant == "hello" and rejected.turns[-1].assistant == "go away"
     assert chosen.turns[-1].user == "hi"  # the shared first message is the prompt
@@ -223,6 +232,7 @@ log: {progress: lines}
 )
 
 
+@pytest.mark.slow
 def test_dpo_through_the_cli_logs_rewards_and_resumes_exactly(tmp_path):
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(24)])
     (tmp_path / "cfg.yaml").write_text(DPO_CONFIG)
@@ -245,6 +255,7 @@ def test_dpo_through_the_cli_logs_rewards_and_resumes_exactly(tmp_path):
         assert mine["rewards/margin"] == pytest.approx(theirs["rewards/margin"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_the_wrong_kind_of_data_stops_before_the_model_loads(tmp_path):
     import subprocess
 
@@ -293,6 +304,7 @@ log: {{progress: lines}}
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "engine", "lora"),
     [

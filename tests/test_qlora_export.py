@@ -195,6 +195,7 @@ def write_config(tmp_path, architecture: str, size: dict) -> None:
     (tmp_path / "cfg.yaml").write_text(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture,size", [("llama", LLAMA), ("deepseek_v2", DEEPSEEK_V2)])
 def test_qlora_loss_falls(tmp_path, capsys, architecture, size):
     write_config(tmp_path, architecture, size)

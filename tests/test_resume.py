@@ -54,6 +54,7 @@ def uninterrupted(tmp_path_factory):
     return directory / "whole"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", ["", LORA], ids=["full", "lora"])
 def test_killed_mid_run_then_resumed_equals_uninterrupted(job, uninterrupted, lora):
     (job / "cfg.yaml").write_text(CONFIG.replace("model: {", "model: {" + lora + ", " if lora else "model: {"))
@@ -70,6 +71,7 @@ def test_killed_mid_run_then_resumed_equals_uninterrupted(job, uninterrupted, lo
     assert losses(job / "run") == losses(whole)
 
 
+@pytest.mark.slow
 def test_killed_mid_save_resumes_from_the_previous_checkpoint(job, uninterrupted):
     (job / "cfg.yaml").write_text(CONFIG)
     killed = train(job, "run", fault="kill_in_save:0:4")
@@ -83,6 +85,7 @@ def test_killed_mid_save_resumes_from_the_previous_checkpoint(job, uninterrupted
     assert sorted(p.name for p in checkpoints.iterdir()) == ["final", "step-4", "step-6"]  # keep_last 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("received", ["SIGTERM", "SIGINT"])
 def test_a_stop_signal_ends_the_step_saves_it_and_says_how_to_resume(job, uninterrupted, received):
     """A scheduler's SIGTERM (or a Ctrl-C) in the middle of step 3: the step ends, its checkpoint is written
@@ -105,6 +108,7 @@ def test_a_stop_signal_ends_the_step_saves_it_and_says_how_to_resume(job, uninte
         assert losses(job / "run") == losses(uninterrupted)
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_world_size(job):
     (job / "cfg.yaml").write_text(CONFIG)
     assert train_here(job / "cfg.yaml", job / "run", "train.max_steps=2").returncode == 0
@@ -118,6 +122,7 @@ def test_resume_refuses_another_world_size(job):
 # FSDP2 and ZeRO-2 (whose optimizer state pickles its slice addresses) killed outright; ZeRO-3 with offload
 # stopped by a scheduler's SIGTERM that only rank 1 received: the
 # ranks agree at the end of step 5, save it, and exit together without a diagnosis.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("engine", "fault"), [("fsdp", "kill:1:6"), ("zero2", "kill:0:6"), ("zero3_offload", "sigterm:1:5")]
 )
@@ -163,6 +168,7 @@ QUANTIZED_SIZES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("architecture", "bits", "experts", "engine"),
     # 4-bit under FSDP2 resumed exactly too (checked by hand before stacked experts were 4-bit); with 4-bit experts,

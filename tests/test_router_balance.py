@@ -116,6 +116,7 @@ log: {progress: lines}
 """
 
 
+@pytest.mark.slow
 def test_a_packed_moe_run_logs_the_router_loss_and_zero_turns_it_off(tmp_path, capsys):
     write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(12)])
     (tmp_path / "cfg.yaml").write_text(CONFIG)

@@ -42,6 +42,7 @@ def losses(work_dir) -> list[float]:
     return [record["loss"] for record in metrics(work_dir)]
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_losses_and_another_seed_does_not(config_file, tmp_path):
     run_training(load_config(config_file), tmp_path / "a")
     run_training(load_config(config_file), tmp_path / "b")
@@ -53,6 +54,7 @@ def test_same_seed_gives_the_same_losses_and_another_seed_does_not(config_file, 
     assert first != losses(tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_packed_training_sees_every_token_once_per_epoch_and_reports_padding(config_file, tmp_path, capsys):
     run_training(load_config(config_file, ["data.packing=true", "data.max_length=128"]), tmp_path / "p")
     assert "padding per epoch: random" in capsys.readouterr().out
@@ -63,12 +65,14 @@ def test_packed_training_sees_every_token_once_per_epoch_and_reports_padding(con
         assert sum(r[key] for r in packed) == sum(r[key] for r in unpacked)
 
 
+@pytest.mark.slow
 def test_a_typo_in_model_size_is_named(config_file, tmp_path):
     config = load_config(config_file, ["model.size.hidden_sise=64"])
     with pytest.raises(UserError, match=r"model.size.hidden_sise: not a field of the llama config; did you mean"):
         run_training(config, tmp_path / "wd")
 
 
+@pytest.mark.slow
 def test_unknown_architecture_suggests_one(config_file, tmp_path):
     config = load_config(config_file, ["model.architecture=lama"])
     with pytest.raises(UserError, match=r"'lama' is not a transformers model type; did you mean .*llama"):

@@ -9,8 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tuneforge.config.schema import ParallelConfig
 from tuneforge.data.batching import collate, sequence_width_multiple, shard_rows
-from tuneforge.distributed import Layout
+from tuneforge.distributed import DistInfo, Layout
+from tuneforge.engines import choose_engine
 from tuneforge.errors import UserError
 from tuneforge.model.sequence_parallel import unsupported
 from tuneforge.train.state import ResumePoint, check_compatible
@@ -55,6 +57,7 @@ def recorded_ops(work_dir: Path, rank: int) -> list[str]:
 
 # Each model packed and unpacked, each engine at least once; the MoE model with its router balance loss on.
 # The CI's 30 minutes do not hold the full product of models, packing and engines.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "packing", "engine"),
     [
@@ -113,6 +116,7 @@ log: {progress: lines}
 """
 
 
+@pytest.mark.slow
 def test_the_reports_setup_split_across_ranks_stopped_and_resumed_equals_one_rank(tmp_path):
     """QLoRA (4-bit NF4, double quant) on DeepseekV2 with adapters on the routed experts, packed rows, ZeRO-3 with
     offload on 2 ranks that split each row; a scheduler's SIGTERM at step 3, then --resume auto: the same losses
@@ -156,12 +160,13 @@ def test_layouts_group_consecutive_ranks():
 
 
 def test_what_cannot_be_split_is_named():
-    assert unsupported(4, 4, 2, 2, "ddp") == []
-    problems = unsupported(6, 3, 3, 2, "fsdp")
+    assert unsupported(4, 4, 2, 2) == []
+    problems = unsupported(6, 3, 3, 2)
     assert any("3 rank(s) do not split into groups of 2" in p for p in problems)
     assert any("3 key/value heads do not divide among 2 ranks" in p for p in problems)
     assert not any("6 attention heads" in p for p in problems)
-    assert any("engine single" in p for p in unsupported(4, 4, 1, 2, "single"))
+    with pytest.raises(UserError, match="sequence_parallel needs several ranks"):
+        choose_engine("auto", DistInfo(0, 1, 0, torch.device("cpu")), ParallelConfig(sequence_parallel=2))
 
 
 def test_resume_with_another_split_is_refused(tmp_path):
@@ -171,6 +176,7 @@ def test_resume_with_another_split_is_refused(tmp_path):
         check_compatible(point, tmp_path, 2, 2, 2, "ddp", 1)
 
 
+@pytest.mark.slow
 def test_one_process_cannot_split_rows_and_says_so_before_the_model_loads(tmp_path):
     config = write_job(tmp_path, "llama", False)
     result = train_here(config, tmp_path / "run", SEQUENCE_PARALLEL)
@@ -180,6 +186,7 @@ def test_one_process_cannot_split_rows_and_says_so_before_the_model_loads(tmp_pa
     assert "model: LlamaForCausalLM" not in result.stdout
 
 
+@pytest.mark.slow
 def test_indivisible_heads_and_eager_attention_are_refused_on_two_ranks(tmp_path):
     config = write_job(tmp_path, "llama", False)
     result = launch(

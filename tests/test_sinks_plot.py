@@ -67,6 +67,7 @@ def run(tmp_path_factory):
     return root / "run", out.getvalue().splitlines()
 
 
+@pytest.mark.slow
 def test_tensorboard_has_every_step_with_the_values_of_metrics_jsonl(run):
     work_dir, _ = run
     logged = records(work_dir)
@@ -77,6 +78,7 @@ def test_tensorboard_has_every_step_with_the_values_of_metrics_jsonl(run):
     assert [step for step, _ in scalars(work_dir / "tensorboard", "val_loss")] == [3, 6]
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_is_kept_in_the_work_dir(run):
     work_dir, _ = run
     run_id = (work_dir / "wandb" / "run-id").read_text().strip()
@@ -86,6 +88,7 @@ def test_wandb_offline_run_is_kept_in_the_work_dir(run):
     assert run_file.stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_plot_is_drawn_at_the_end_and_the_summary_says_where(run):
     work_dir, lines = run
     png = work_dir / "plot.png"
@@ -97,6 +100,7 @@ def test_plot_is_drawn_at_the_end_and_the_summary_says_where(run):
     )
 
 
+@pytest.mark.slow
 def test_tuneforge_plot_redraws_it(run, tmp_path, capsys):
     work_dir, _ = run
     copy = tmp_path / "copy"
@@ -115,6 +119,7 @@ def test_tuneforge_plot_redraws_it(run, tmp_path, capsys):
         assert err.startswith("error: ") and said in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_a_line_cut_off_by_a_crash_is_left_out_and_counted(run, tmp_path):
     work_dir, _ = run
     shutil.copy(work_dir / "metrics.jsonl", tmp_path)

@@ -62,6 +62,7 @@ def write_tiny_run(directory) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_rng_file_runs_code_is_refused_without_running_it(tmp_path):
     """The hostile form of an older tuneforge's RNG file (a pickle), with the manifest made to match: resume
     says why it refuses, and the command in it never runs."""
@@ -148,6 +149,7 @@ def code_running_model(directory, marker) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
+@pytest.mark.slow
 def test_an_adapter_that_asks_for_remote_code_does_not_get_it(tmp_path, tokenizer):
     """An adapter whose tuneforge.json says its base trained with trust_remote_code, on a base with Python files:
     chat and export refuse, naming --trust-remote-code, and nothing from the base directory runs."""
@@ -171,6 +173,7 @@ def test_an_adapter_that_asks_for_remote_code_does_not_get_it(tmp_path, tokenize
         assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_full_checkpoint_with_custom_code_needs_the_flag(tmp_path, tokenizer):
     marker = tmp_path / "ran"
     code_running_model(tmp_path / "model", marker)

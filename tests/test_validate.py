@@ -58,6 +58,7 @@ log: {progress: lines}
 """
 
 
+@pytest.mark.slow
 def test_val_loss_is_logged_and_the_best_model_kept(tmp_path, capsys):
     write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i % 5}", f"answer {i % 5}") for i in range(24)])
     (tmp_path / "cfg.yaml").write_text(CONFIG)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tuneforge.watchdog import STALL_EXIT_CODE
 
 SCRIPT = textwrap.dedent(
@@ -34,6 +36,7 @@ def run_script(tmp_path, script: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(path), str(tmp_path)], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_stall_dumps_stacks_and_exits_non_zero(tmp_path):
     result = run_script(tmp_path, SCRIPT)
     assert result.returncode == STALL_EXIT_CODE
@@ -46,6 +49,7 @@ def test_stall_dumps_stacks_and_exits_non_zero(tmp_path):
     assert "stuck_in_a_collective" in dump and "time.sleep(60)" in dump
 
 
+@pytest.mark.slow
 def test_no_report_while_progress_continues(tmp_path):
     script = SCRIPT.replace("stuck_in_a_collective()\n", "dog.stop()\n").replace("range(3)", "range(10)")
     result = run_script(tmp_path, script)

@@ -40,6 +40,7 @@ def snapshot(directory) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_live_holder_keeps_the_lock_and_a_dead_one_is_taken_over(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -63,6 +64,7 @@ def test_a_live_holder_keeps_the_lock_and_a_dead_one_is_taken_over(tmp_path):
     assert not lock.exists()
 
 
+@pytest.mark.slow
 def test_a_fresh_run_into_another_runs_outputs_is_refused_unchanged_or_archives_them(config, tmp_path, capsys):
     work_dir = tmp_path / "wd"
     run_training(config, work_dir)
@@ -84,6 +86,7 @@ def test_a_fresh_run_into_another_runs_outputs_is_refused_unchanged_or_archives_
     assert [json.loads(line)["step"] for line in (work_dir / "metrics.jsonl").open()] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_only_this_runs_checkpoints_and_a_refused_resume_writes_nothing(config, tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     run_training(config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 2})}), first)
@@ -100,6 +103,7 @@ def test_resume_auto_continues_only_this_runs_checkpoints_and_a_refused_resume_w
     assert [r["step"] for r in records] == [1, 2, 3]  # continued from its own step-1, not first's step-2
 
 
+@pytest.mark.slow
 def test_diagnose_says_a_finished_run_did_not_hang(config, tmp_path):
     from tuneforge.diagnose import last_report
 
@@ -112,6 +116,7 @@ def test_diagnose_says_a_finished_run_did_not_hang(config, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_group_shared_run_gets_checkpoints_the_group_can_read_and_hints_that_paste(tmp_path, capsys):
     """umask 002 (a group-shared project directory) and a work dir with spaces: every file of a checkpoint is
     group-readable (safetensors alone writes 0600), and the closing hints run as printed."""

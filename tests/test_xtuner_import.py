@@ -305,10 +305,84 @@ def test_a_binary_file_gets_one_user_error(tmp_path, content):
         import_config(path)
 
 
-def test_preference_training_is_refused_naming_the_setting(tmp_path):
-    text = ALPACA_CONFIG.replace("from xtuner.model import SupervisedFinetune", "from xtuner.model.dpo import DPO")
-    path = _config(tmp_path, text.replace("type=SupervisedFinetune,", "type=DPO,"))
-    with pytest.raises(UserError, match=r"cfg.py:\d+: model type DPO cannot be carried over: preference training"):
+DPO_CONFIG = (
+    ALPACA_CONFIG.replace(
+        "from xtuner.model import SupervisedFinetune",
+        "from peft import LoraConfig\nfrom xtuner.dataset.preference_dataset import build_preference_dataset, "
+        "orpo_dpo_mix_40k_map_fn\nfrom xtuner.model.dpo import DPO",
+    )
+    .replace(
+        """model = dict(
+    type=SupervisedFinetune,
+    llm=dict(""",
+        """model = dict(
+    type=DPO,
+    loss_type='hinge',
+    use_varlen_attn=True,
+    beta=0.2,
+    label_smoothing=0.05,
+    lora=dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout=0.0, bias='none', task_type='CAUSAL_LM'),
+    llm=dict(""",
+    )
+    .replace(
+        """train_dataset = dict(
+    type=process_hf_dataset,
+    dataset=dict(type=load_dataset, path='json', data_files=data_files),
+    tokenizer=tokenizer,
+    max_length=max_length,
+    dataset_map_fn=alpaca_map_fn,
+    template_map_fn=dict(type=template_map_fn_factory, template=prompt_template),
+    pack_to_max_length=False)""",
+        """train_dataset = dict(
+    type=build_preference_dataset,
+    dataset=dict(type=load_dataset, path='json', data_files=data_files),
+    tokenizer=tokenizer,
+    max_length=max_length,
+    dataset_map_fn=orpo_dpo_mix_40k_map_fn,
+    is_dpo=True,
+    is_reward=False,
+    reward_token_id=-1,
+    num_proc=32,
+    use_varlen_attn=True,
+    max_packed_length=max_length * 2,
+    shuffle_before_pack=True)""",
+    )
+)
+
+
+def test_dpo_and_orpo_configs_import_with_their_loss_settings(tmp_path):
+    result = import_config(_config(tmp_path, DPO_CONFIG))
+    config = result.config
+    assert config["train"]["objective"] == "dpo"
+    assert config["preference"] == {"beta": 0.2, "loss_type": "hinge", "label_smoothing": 0.05}
+    assert config["model"]["lora"] == {"r": 8, "alpha": 16, "dropout": 0.0, "targets": "all-linear", "experts": True}
+    assert config["data"]["template"] == "tokenizer" and config["data"]["packing"] is True
+    assert config["data"]["max_length"] == 1024 and config["data"]["train_files"][0].endswith("data/alpaca.jsonl")
+    assert not [what for _, what, _ in result.unmapped if "dataset" in what or "DPO" in what], result.unmapped
+    (tmp_path / "out.yaml").write_text(to_yaml(result, tmp_path / "cfg.py"))
+    loaded = load_config(tmp_path / "out.yaml")
+    assert loaded.train.objective == "dpo" and loaded.preference.loss_type == "hinge" and loaded.paired
+
+    kto = import_config(_config(tmp_path, DPO_CONFIG.replace("loss_type='hinge'", "loss_type='kto_pair'")))
+    assert any("kto_pair" in what for _, what, _ in kto.unmapped)
+    full = import_config(_config(tmp_path, DPO_CONFIG.replace("    lora=dict(type=LoraConfig", "    # lora=dict(")))
+    assert any("DPO without lora" in what for _, what, _ in full.unmapped)
+    orpo = import_config(
+        _config(
+            tmp_path,
+            DPO_CONFIG.replace("type=DPO,", "type=ORPO,")
+            .replace("from xtuner.model.dpo import DPO", "from xtuner.model.orpo import ORPO")
+            .replace("    loss_type='hinge',\n", "")
+            .replace("    label_smoothing=0.05,\n", ""),
+        )
+    )
+    assert orpo.config["train"]["objective"] == "orpo" and orpo.config["preference"] == {"lambda": 0.2}
+
+
+def test_reward_models_are_refused_naming_the_setting(tmp_path):
+    text = DPO_CONFIG.replace("from xtuner.model.dpo import DPO", "from xtuner.model.reward import RewardModel")
+    path = _config(tmp_path, text.replace("type=DPO,", "type=RewardModel,"))
+    with pytest.raises(UserError, match=r"cfg.py:\d+: model type RewardModel cannot be carried over: reward-model"):
         import_config(path)
 
 
@@ -371,6 +445,7 @@ def original_job(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant,extra",
     # The report's job with packing on, which exercises the most (unpacked rows and FSDP2 are covered by the

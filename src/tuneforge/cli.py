@@ -331,7 +331,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from tuneforge.model.build import build_tokenizer
 
     world_size = args.nproc_per_node * args.nnodes
-    engine = choose_engine(config.parallel.engine, DistInfo(0, world_size, 0, torch_device()))
+    engine = choose_engine(config.parallel.engine, DistInfo(0, world_size, 0, torch_device()), config.parallel)
     skipped = []  # sizing a job for another machine: its tokenizer and data may not be here
     tokenizer, num_samples = None, None
     try:

@@ -114,6 +114,40 @@ def test_a_packed_micro_step_makes_no_host_synchronisation(tokenizer, dtype):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_a_whole_step_with_router_balance_reads_the_device_once(tokenizer):
+    """accumulate_gradients over two packed micro-batches of an MoE model with its router balance loss, and the
+    optimizer step (a fused AdamW that skips non-finite steps on the device), make no host synchronisation until
+    the step's one read of its sums and gradient norm."""
+    from tuneforge.config.schema import TrainConfig
+    from tuneforge.engines.single import SingleEngine
+    from tuneforge.model.moe import find_moe
+    from tuneforge.model.quantized_experts import register_experts_implementation
+    from tuneforge.model.router_balance import attach_router_balance
+    from tuneforge.train.loop import accumulate_gradients
+    from tuneforge.train.objectives import build_objective
+    from tuneforge.train.optim import build_optimizer
+
+    from conftest import tiny_qwen3_moe
+
+    model = tiny_qwen3_moe(tokenizer).to(CUDA, torch.bfloat16)
+    model.set_experts_implementation(register_experts_implementation())  # grouped_mm: no per-expert counts read
+    balance, _ = attach_router_balance(find_moe(model), model.config, 0.01)
+    engine = SingleEngine(model, lambda m: build_optimizer(m, TrainConfig(precision="bf16")))
+    objective = build_objective(engine, "bf16", balance)
+    data = tokenized(tokenizer, RECORDS)
+    batches = [collate(data, [[0, 1]], tokenizer.pad_token_id, packed=True), collate(data, [[2]], 0, packed=True)]
+    accumulate_gradients(engine, batches, objective).read(engine.step(1e-4, 1.0))  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = accumulate_gradients(engine, batches, objective)
+        norm = engine.step(1e-4, 1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    (value,) = step.read(norm)
+    assert value > 0 and step.router_aux_loss is not None and step.num_targets > 0
+
+
 def expert_adapted(tokenizer, grouped: bool):
     """A bf16 Qwen3-MoE on CUDA, adapters on its stacked experts (r=16: grouped_mm's alignment holds)."""
     from tuneforge.config.schema import LoraSettings, ModelConfig

@@ -424,17 +424,8 @@ class ParallelConfig(Section):
     fit one device. The data-parallel size is then world size / N: `train.micro_batch_size` is per group of N
     ranks. Needs attention and key/value heads divisible by N, and `model.attn_implementation: sdpa`."""
 
-    @model_validator(mode="after")
-    def _offload_fits_engine(self) -> ParallelConfig:
-        if self.cpu_offload == "optimizer" and self.engine == "fsdp":
-            raise ValueError("FSDP2 offloads all state or none: use parallel.cpu_offload=all with fsdp")
-        if self.cpu_offload == "all" and self.engine == "deepspeed" and self.zero_stage != 3:
-            raise ValueError("parameter offload needs ZeRO-3: set parallel.zero_stage=3 or cpu_offload=optimizer")
-        if self.cpu_offload != "none" and self.engine in ("single", "ddp"):
-            raise ValueError(f"parallel.cpu_offload needs engine fsdp or deepspeed, not {self.engine}")
-        if self.sequence_parallel > 1 and self.engine == "single":
-            raise ValueError("parallel.sequence_parallel needs several ranks: engine ddp, fsdp or deepspeed")
-        return self
+    # What each engine cannot do with these settings is the engine's to say: `Engine.setting_problems`, checked
+    # when the run chooses its engine.
 
 
 class CheckpointConfig(Section):

@@ -1,9 +1,10 @@
 """Preference pairs: a prompt with a chosen and a rejected answer -> two conversations sharing the prompt.
 
 Rows are read in the conversational form TRL and xtuner use, `{"prompt": [messages], "chosen": [messages],
-"rejected": [messages]}`, or without `prompt` when `chosen` and `rejected` are whole conversations that share
-their first messages (the shared part is the prompt). Plain strings stand for one user message (`prompt`) or one
-assistant reply (`chosen`, `rejected`). Only the answers train: assistant messages inside the prompt are history.
+"rejected": [messages]}`, or with `chosen` and `rejected` as whole conversations that share their first messages
+(the shared part is the prompt; a `prompt` field beside them must repeat it). Plain strings stand for one user
+message (`prompt`) or one assistant reply (`chosen`, `rejected`). Only the answers train: assistant messages
+inside the prompt are history.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def _shared_prefix(first: list[tuple[str, str, bool]], second: list[tuple[str, s
     return shared
 
 
+def _repeats(given: list[tuple[str, str, bool]], prompt: list[tuple[str, str, bool]]) -> bool:
+    """Whether a `prompt` field says what the shared messages say: the same messages, or the text of their user
+    messages (the string column many datasets carry beside whole conversations)."""
+    if [m[:2] for m in given] == [m[:2] for m in prompt]:
+        return True
+    users = [content.strip() for role, content, _ in prompt if role == "user"]
+    return len(given) == 1 and given[0][1].strip() in [*users[-1:], "\n".join(users)]
+
+
 def _answer(messages: list[tuple[str, str, bool]], key: str) -> list[tuple[str, str, bool]]:
     if not messages:
         raise SampleError("missing answer", f"`{key}` has no message after the prompt")
@@ -76,14 +86,23 @@ def pair_conversations(record: Any, origin: str) -> tuple[Conversation, Conversa
         raise SampleError("not a pair", f"a pair needs both `chosen` and `rejected` (this row has {present})")
     chosen = _messages(record[CHOSEN], CHOSEN, "assistant")
     rejected = _messages(record[REJECTED], REJECTED, "assistant")
-    if record.get("prompt") is not None:
-        prompt = _messages(record["prompt"], "prompt", "user")
+    given = _messages(record["prompt"], "prompt", "user") if record.get("prompt") is not None else None
+    whole = all(any(role == "user" for role, _, _ in answer) for answer in (chosen, rejected))
+    if given is not None and not whole:
+        prompt = given
     else:
+        # Whole conversations: the prompt is the messages they share, up to the last shared user message (a
+        # shared assistant message is history). A `prompt` field beside them must repeat it, not add to it.
         shared = _shared_prefix(chosen, rejected)
-        # The answers start after the last user message they share: a shared assistant message is history.
         while shared and chosen[shared - 1][0] != "user":
             shared -= 1
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if given is not None and not _repeats(given, prompt):
+            raise SampleError(
+                "conflicting prompt",
+                "`chosen` and `rejected` are whole conversations and `prompt` is not their shared first messages; "
+                "drop `prompt`, or give only the answers in `chosen` and `rejected`",
+            )
     if not any(role == "user" for role, _, _ in prompt):
         raise SampleError(
             "missing prompt",

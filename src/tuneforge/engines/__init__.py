@@ -11,16 +11,22 @@ from tuneforge.errors import UserError
 from tuneforge.model.moe import MoEMap
 
 
-def choose_engine(requested: str, info: DistInfo) -> str:
+def choose_engine(requested: str, info: DistInfo, parallel: ParallelConfig | None = None) -> str:
+    """The engine of this run, once: `parallel.engine` (auto: ddp with several processes, else single), with
+    what it cannot do in `parallel` refused here, before anything loads."""
     if requested == "auto":
-        return "ddp" if info.distributed else "single"
-    if requested == "single" and info.distributed:
+        chosen = "ddp" if info.distributed else "single"
+    elif requested == "single" and info.distributed:
         raise UserError(f"parallel.engine=single cannot run in {info.world_size} processes; use ddp, fsdp or auto")
-    if requested != "single" and not info.distributed:
+    elif requested != "single" and not info.distributed:
         raise UserError(
             f"parallel.engine={requested} needs several processes; add --nproc-per-node N, or use single or auto"
         )
-    return requested
+    else:
+        chosen = requested
+    if parallel is not None and (problems := engine_class(chosen).setting_problems(parallel)):
+        raise UserError("; ".join(problems))
+    return chosen
 
 
 def engine_class(name: str) -> type[Engine]:

@@ -69,15 +69,15 @@ class EngineTraits:
             )
 
 
-def global_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """The gradients' global norm before clipping; clipped to `max_norm` (0: not clipped) when finite. Works on
-    sharded (DTensor) gradients too: the norm is then a collective."""
+def global_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The gradients' global norm before clipping, as a tensor on their device (nothing waits for it); the
+    gradients clipped to `max_norm` (0: not clipped). A non-finite norm leaves them non-finite: the step that
+    follows is skipped. Works on sharded (DTensor) gradients too: the norm is then a collective."""
     with_grads = [p for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
-    norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
-    if max_norm > 0 and math.isfinite(norm):
+    if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
-    return norm
+    return total.full_tensor() if isinstance(total, DTensor) else total
 
 
 class Engine(abc.ABC):
@@ -106,6 +106,11 @@ class Engine(abc.ABC):
     def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
         """What this engine does under `parallel` and `train` on a `device` type, before it is built."""
 
+    @classmethod
+    def setting_problems(cls, parallel: ParallelConfig) -> list[str]:
+        """What in `parallel` this engine cannot do, one line each with its fix (checked before anything loads)."""
+        return []
+
     @property
     def name(self) -> str:
         return self.traits.name
@@ -117,6 +122,12 @@ class Engine(abc.ABC):
     @property
     def skips_nonfinite(self) -> bool:
         return self.traits.skips_nonfinite
+
+    @property
+    def generates_in_lockstep(self) -> bool:
+        """Every forward is a collective here (parameters sharded over several ranks): generation runs the same
+        number of forwards on every rank, however soon its own replies end."""
+        return self.sharded and self.info.distributed
 
     @property
     def loss_scale(self) -> float | None:
@@ -158,9 +169,10 @@ class Engine(abc.ABC):
         Under fp16 the engine multiplies it by its loss scale and `step` divides the gradients again."""
 
     @abc.abstractmethod
-    def step(self, lr: float, max_grad_norm: float) -> float:
+    def step(self, lr: float, max_grad_norm: float) -> torch.Tensor | float:
         """Clip the gradients to `max_grad_norm` (0: no clipping), apply them at learning rate `lr` (unless the
-        norm is not finite, where `skips_nonfinite`), clear them. Returns the global norm before clipping."""
+        norm is not finite, where `skips_nonfinite`), clear them. Returns the global norm before clipping, where
+        possible as a device tensor the caller reads with the step's other figures."""
 
     @abc.abstractmethod
     def save_state(self, directory: Path) -> None:
@@ -176,18 +188,28 @@ class Engine(abc.ABC):
         it. None means the unwrapped model's own weights are the whole model."""
         return None
 
-    def _clipped_step(self, parameters: Iterable[torch.nn.Parameter], lr: float, max_grad_norm: float) -> float:
+    def _clipped_step(
+        self, parameters: Iterable[torch.nn.Parameter], lr: float, max_grad_norm: float
+    ) -> torch.Tensor | float:
         """For engines that step a torch optimizer themselves: unscale fp16 gradients (when scaling), clip, step
-        unless not finite (weights and moments stay as they were), clear, and let the scaler adapt."""
+        unless not finite (weights, moments and the step count stay as they were), clear, and let the scaler
+        adapt. The fused AdamW decides the skip on the device (its `found_inf`), so nothing here waits for the
+        GPU; other optimizers, and fp16's scaler, read the norm."""
         parameters = list(parameters)
         if self.scaler is not None:
             self.scaler.unscale_(parameters)
         norm = global_grad_norm(parameters, max_grad_norm)
-        if math.isfinite(norm):
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = (~torch.isfinite(norm)).float()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        elif math.isfinite(float(norm)):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
-            self.scaler.update(math.isfinite(norm))
+            self.scaler.update(math.isfinite(float(norm)))
         return norm

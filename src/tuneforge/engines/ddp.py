@@ -33,6 +33,12 @@ def _recorded_allreduce(state, bucket):
 
 class DDPEngine(SingleEngine):
     @classmethod
+    def setting_problems(cls, parallel: ParallelConfig) -> list[str]:
+        if parallel.cpu_offload != "none":
+            return ["parallel.cpu_offload needs engine fsdp or deepspeed, not ddp"]
+        return []
+
+    @classmethod
     def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
         # A replica per rank does what one process does; experts without tokens have no gradient, so DDP must
         # look for unused parameters (not a choice, hence not `parallel.moe_safety`).

@@ -105,6 +105,12 @@ class DeepSpeedEngine(Engine):
     scales_fp16_loss = False  # DeepSpeed's own scaler, with the same settings (`fp16_config`)
 
     @classmethod
+    def setting_problems(cls, parallel: ParallelConfig) -> list[str]:
+        if parallel.cpu_offload == "all" and parallel.zero_stage != 3:
+            return ["parameter offload needs ZeRO-3: set parallel.zero_stage=3 or cpu_offload=optimizer"]
+        return []
+
+    @classmethod
     def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
         stage = parallel.zero_stage
         return EngineTraits(
@@ -133,6 +139,8 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         super().__init__(info, parallel, train, moe)
+        self.fp16 = train.precision == "fp16"
+        """DeepSpeed's own fp16 loss scaler runs (and skips the steps whose gradients overflow)."""
         bf16 = train.precision == "bf16" and info.device.type == "cuda"
         self.config = deepspeed_config(parallel, train, info.world_size, bf16)
         self._check_overrides(parallel, train)
@@ -188,7 +196,7 @@ class DeepSpeedEngine(Engine):
 
     @property
     def loss_scale(self) -> float | None:
-        if not self.skips_nonfinite:
+        if not self.fp16:
             return None
         return float(self.optimizer.cur_scale)
 
@@ -202,7 +210,7 @@ class DeepSpeedEngine(Engine):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._engine.step()
-        if self.skips_nonfinite and getattr(self.optimizer, "overflow", False):
+        if self.fp16 and getattr(self.optimizer, "overflow", False):
             return float("inf")
         norm = self._engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")

@@ -88,6 +88,12 @@ def _dcp_metadata_type(name: str) -> bool:
 
 class FSDPEngine(Engine):
     @classmethod
+    def setting_problems(cls, parallel: ParallelConfig) -> list[str]:
+        if parallel.cpu_offload == "optimizer":
+            return ["FSDP2 offloads all state or none: use parallel.cpu_offload=all with fsdp"]
+        return []
+
+    @classmethod
     def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
         return EngineTraits(
             name="fsdp",
@@ -157,7 +163,7 @@ class FSDPEngine(Engine):
         # The reduce-scatter averages over ranks; the loss is already normalised by the global target count.
         (self.scaled(loss) * self.info.world_size).backward()
 
-    def step(self, lr: float, max_grad_norm: float) -> float:
+    def step(self, lr: float, max_grad_norm: float) -> torch.Tensor | float:
         # The norm of sharded (DTensor) gradients is a collective: every rank computes the same.
         return self._clipped_step(self._model.parameters(), lr, max_grad_norm)
 

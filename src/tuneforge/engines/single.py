@@ -14,6 +14,18 @@ from tuneforge.model.moe import MoEMap
 
 class SingleEngine(Engine):
     @classmethod
+    def setting_problems(cls, parallel: ParallelConfig) -> list[str]:
+        problems = []
+        if parallel.cpu_offload != "none":
+            problems.append("parallel.cpu_offload needs engine fsdp or deepspeed, not single")
+        if parallel.sequence_parallel > 1:
+            problems.append(
+                "parallel.sequence_parallel needs several ranks: launch several (--nproc-per-node N) with engine "
+                "ddp, fsdp or deepspeed"
+            )
+        return problems
+
+    @classmethod
     def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
         return EngineTraits(
             name="single",
@@ -51,7 +63,7 @@ class SingleEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         self.scaled(loss).backward()
 
-    def step(self, lr: float, max_grad_norm: float) -> float:
+    def step(self, lr: float, max_grad_norm: float) -> torch.Tensor | float:
         return self._clipped_step(self._plain.parameters(), lr, max_grad_norm)
 
     def save_state(self, directory: Path) -> None:

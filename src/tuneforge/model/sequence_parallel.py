@@ -114,15 +114,12 @@ class SequenceShard:
         return sequence_to_heads(out, self.process_group, self.size)
 
 
-def unsupported(heads: int, kv_heads: int, world_size: int, size: int, engine: str) -> list[str]:
-    """Why `parallel.sequence_parallel: size` cannot run with this model and world, one reason per line."""
+def unsupported(heads: int, kv_heads: int, world_size: int, size: int) -> list[str]:
+    """Why `parallel.sequence_parallel: size` cannot run with this model and world, one reason per line (whether
+    the engine can is `Engine.setting_problems`)."""
     problems = []
     if world_size % size:
         problems.append(f"the {world_size} rank(s) do not split into groups of {size} (world size % N != 0)")
-    if engine == "single":
-        problems.append(
-            "engine single runs one process; launch several (--nproc-per-node N) with ddp, fsdp or deepspeed"
-        )
     for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
         if count % size:
             problems.append(f"the model's {count} {name} do not divide among {size} ranks")

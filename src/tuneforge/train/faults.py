@@ -142,15 +142,15 @@ class FaultyEngine:
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
-    def sum_across_ranks(self, values: list[float]) -> list[float]:
-        # The first collective the loop itself issues in a step is its closing sum: the skipped one.
+    def sum_tensor_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        # The first collective the step issues through the engine (a dense model's: its closing sum) is skipped.
         if self.injector.due("skip_all_reduce") and self._skipped_at != self.injector.step:
             self._skipped_at = self.injector.step
             while True:  # until the watchdog ends the job
                 time.sleep(1)
-        return self.inner.sum_across_ranks(values)
+        return self.inner.sum_tensor_across_ranks(tensor)
 
-    def step(self, lr: float, max_grad_norm: float) -> float:
+    def step(self, lr: float, max_grad_norm: float) -> torch.Tensor | float:
         norm = self.inner.step(lr, max_grad_norm)
         if self.injector.due("rank_only_collective"):
             self.injector.watchdog.beat("eval")

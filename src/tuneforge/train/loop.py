@@ -19,13 +19,12 @@ from tuneforge.engines import Engine
 from tuneforge.errors import StoppedBySignal, UserError
 from tuneforge.estimate.hardware import peak_flops
 from tuneforge.generate import generate_replies
-from tuneforge.model.quantized_experts import quantized_experts_count
+from tuneforge.model.transfer import to_device
 from tuneforge.objective import Objective
-from tuneforge.train.checkpoint import QUANTIZED_EXPERTS
 from tuneforge.train.metrics import MetricsLog
 from tuneforge.train.parts import RunParts
 from tuneforge.train.progress import ProgressReporter
-from tuneforge.train.saving import CheckpointWriter
+from tuneforge.train.saving import Checkpointer, chat_meta
 from tuneforge.train.schedule import LRSchedule, resolve_warmup
 from tuneforge.train.sinks import open_sinks
 from tuneforge.train.state import ResumePoint
@@ -34,20 +33,68 @@ from tuneforge.train.validate import ValidationResult, validation_loss
 from tuneforge.watchdog import STOP_SIGNALS
 
 
-@dataclass(frozen=True)
+@dataclass
 class AccumulatedStep:
-    loss: float
-    """Mean loss per target token over the whole accumulated batch."""
-    num_targets: int
-    num_tokens: int
-    num_slots: int = 0
-    """Positions computed, padding included (rows x padded width), over all ranks."""
-    router_aux_loss: float | None = None
-    """Router balance loss, weighted by each micro-batch's share of target tokens (MoE models only)."""
-    stop_votes: tuple[int, ...] = ()
-    """Per stop signal (SIGTERM, SIGINT): how many ranks had received it by the end of the step."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """The objective's figures (`Objective.metric_names`), each a mean over the step's units."""
+    """A step's sums over all ranks, left on the device (all-reduced in stream order) until `read`: the step's one
+    host read, which can take the optimizer step's gradient norm along."""
+
+    sums: torch.Tensor
+    """loss, router balance loss, the objective's metrics, then target tokens, tokens, slots and stop votes."""
+    metric_names: tuple[str, ...]
+    has_router_loss: bool
+    step_units: int
+    _values: list[float] | None = field(default=None, repr=False)
+
+    def read(self, *device_values: torch.Tensor | float) -> list[float]:
+        """Read the sums, and `device_values` (the gradient norm) with them, in one transfer; returns the latter."""
+        extra = [torch.as_tensor(v, dtype=torch.float64, device=self.sums.device).reshape(1) for v in device_values]
+        values = torch.cat([self.sums, *extra]).tolist()
+        self._values = values[: len(self.sums)]
+        return values[len(self.sums) :]
+
+    @property
+    def _read(self) -> list[float]:
+        if self._values is None:
+            self.read()
+        assert self._values is not None
+        return self._values
+
+    @property
+    def loss(self) -> float:
+        """The objective's mean over the step's units (target tokens for SFT, pairs for preference objectives)."""
+        return self._read[0]
+
+    @property
+    def router_aux_loss(self) -> float | None:
+        """Router balance loss, weighted by each micro-batch's share of the step's units (MoE models only)."""
+        return self._read[1] if self.has_router_loss else None
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The objective's figures (`Objective.metric_names`), each a mean over the step's units."""
+        values = self._read[2 : 2 + len(self.metric_names)]
+        return {name: value / self.step_units for name, value in zip(self.metric_names, values, strict=True)}
+
+    def _count(self, offset: int) -> int:
+        return int(self._read[2 + len(self.metric_names) + offset])
+
+    @property
+    def num_targets(self) -> int:
+        return self._count(0)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._count(1)
+
+    @property
+    def num_slots(self) -> int:
+        """Positions computed, padding included (rows x padded width), over all ranks."""
+        return self._count(2)
+
+    @property
+    def stop_votes(self) -> tuple[int, ...]:
+        """Per stop signal (SIGTERM, SIGINT): how many ranks had received it by the end of the step."""
+        return tuple(int(v) for v in self._read[5 + len(self.metric_names) :])
 
 
 class StepObserver:
@@ -93,25 +140,16 @@ def accumulate_gradients(
         totals = [total + value for total, value in zip(totals, [terms.loss, aux, *metrics], strict=True)]
         observer.micro_step_done(index)
     observer.micro_steps_over()
-    targets, tokens, slots, *summed = engine.sum_across_ranks(
-        [
-            sum(mb.num_targets for mb in micro_batches),
-            sum(mb.num_tokens for mb in micro_batches),
-            sum(mb.input_ids.numel() for mb in micro_batches),
-            *torch.stack(totals).tolist(),
-            *observer.stop_requests(),
-        ]
-    )
-    (loss, aux, *metrics), stops = summed[: len(totals)], summed[len(totals) :]
-    return AccumulatedStep(
-        loss,
-        int(targets),
-        int(tokens),
-        int(slots),
-        aux if objective.balance is not None else None,
-        tuple(int(v) for v in stops),
-        {name: total / step_units for name, total in zip(objective.metric_names, metrics, strict=True)},
-    )
+    counts = [
+        sum(mb.num_targets for mb in micro_batches),
+        sum(mb.num_tokens for mb in micro_batches),
+        sum(mb.input_ids.numel() for mb in micro_batches),
+        *observer.stop_requests(),
+    ]
+    # The closing sum, on the device: losses as they are (no read), counts and stop votes copied up to join them.
+    sums = torch.cat([torch.stack(totals).double(), to_device(torch.tensor(counts, dtype=torch.float64), zero.device)])
+    engine.sum_tensor_across_ranks(sums)
+    return AccumulatedStep(sums, objective.metric_names, objective.balance is not None, step_units)
 
 
 def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
@@ -181,26 +219,17 @@ class Trainer:
         )
         self.checkpoints_dir = parts.work_dir / "checkpoints"
         self.data_signature = parts.planner.data.signature()  # recorded in every step checkpoint
-        self.writer = CheckpointWriter(
+        self.checkpointer = Checkpointer(
             parts.engine,
             parts.tokenizer,
             self.checkpoints_dir,
             parts.work_dir / "config.yaml",
             cfg.checkpoint.keep_last,
+            chat_meta(cfg, parts.engine),
             self.progress.log,
             lambda: self.watchdog.beat("save"),
         )
         self.watchdog.total_steps = self.total_steps
-        data = cfg.data.model_dump(mode="json")
-        self.chat_meta = {"template": data["template"], "system": data["system"]}
-        if cfg.model.lora is not None:
-            # How to rebuild the model the adapter was trained on: chat and export load the base the same way.
-            self.chat_meta["adapter"] = {
-                "dtype": cfg.model.dtype,
-                "trust_remote_code": cfg.model.trust_remote_code,
-                "quantization": cfg.model.quantization.model_dump() if cfg.model.quantization else None,
-                QUANTIZED_EXPERTS: quantized_experts_count(parts.engine.unwrapped),
-            }
 
     def run(self, start: ResumePoint | None = None) -> list[dict]:
         cfg = self.cfg
@@ -243,13 +272,13 @@ class Trainer:
                 if cfg.eval.sample_every_steps and step % cfg.eval.sample_every_steps == 0 and step < self.total_steps:
                     self.sample_chats(step)
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                    self.save(f"step-{step}", step, epoch, with_state=True)
+                    self.checkpointer.save_step(self.resume_point(step, epoch))
                 self._stop_if_asked(step, epoch)
             self.watchdog.graceful = False  # the run is complete: a signal now stops it at once
             if cfg.eval.sample_prompts:
                 self.sample_chats(self.total_steps)
             if cfg.checkpoint.save_final:
-                self.save("final", self.total_steps, None, with_state=False)
+                self.checkpointer.save_model("final", self.total_steps)
         finally:
             self.watchdog.graceful = False
             if metrics_log is not None:
@@ -266,12 +295,13 @@ class Trainer:
         self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
         observer = TrainerObserver(self, step, len(micro_batches))
         accumulated = accumulate_gradients(engine, micro_batches, self.parts.objective, observer)
-        self.stop_votes = accumulated.stop_votes
         self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * self.parts.layout.data_size
 
         lr = self.schedule(step)
         loss_scale = engine.loss_scale  # the scale this step's gradients carry
-        grad_norm = engine.step(lr, train.max_grad_norm)
+        # The step's one host read: its sums and the gradient norm, after the optimizer step is queued.
+        (grad_norm,) = accumulated.read(engine.step(lr, train.max_grad_norm))
+        self.stop_votes = accumulated.stop_votes
 
         finite = math.isfinite(accumulated.loss) and math.isfinite(grad_norm)
         overflow = not finite and self._fp16_overflow(step, accumulated.loss, loss_scale)
@@ -302,10 +332,14 @@ class Trainer:
         self.progress.log(
             f"stopping after step {step}: {received.name} received by {ranks} of {self.engine.info.world_size} rank(s)"
         )
-        checkpoint = self.checkpoints_dir / f"step-{step}"
+        checkpoint: Path | None = self.checkpoints_dir / f"step-{step}"
         every = self.cfg.checkpoint.every_steps
         if not (every and step % every == 0):
-            checkpoint = self._save_before_stop(step, epoch)
+            watchdog = self.watchdog
+            elapsed = time.monotonic() - watchdog.stop_requested_at if watchdog.stop_signal else 0
+            checkpoint = self.checkpointer.save_before_stop(
+                self.resume_point(step, epoch), watchdog.stop_grace_s - elapsed
+            )
         message = StoppedBySignal(
             received.name, received, step, self.total_steps, str(checkpoint) if checkpoint else None
         )
@@ -313,22 +347,6 @@ class Trainer:
             (self.work_dir / "diagnostics").mkdir(exist_ok=True)
             (self.work_dir / "diagnostics" / STOPPED).write_text(str(message) + "\n")
         raise message
-
-    def _save_before_stop(self, step: int, epoch: int) -> Path | None:
-        """The step checkpoint, unless the last one took longer than the grace time left on some rank (a
-        half-written one would be discarded anyway when the scheduler kills the job)."""
-        watchdog = self.watchdog
-        left = watchdog.stop_grace_s - (time.monotonic() - watchdog.stop_requested_at if watchdog.stop_signal else 0)
-        too_slow = self.writer.last_state_save_s is not None and self.writer.last_state_save_s > left
-        (too_slow_anywhere,) = self.engine.sum_across_ranks([float(too_slow)])  # every rank decides the same
-        if too_slow_anywhere:
-            self.progress.log(
-                f"no checkpoint at step {step}: the last one took {self.writer.last_state_save_s:.0f}s and "
-                f"{max(left, 0):.0f}s of watchdog.stop_grace_s are left; --resume auto takes the newest one"
-            )
-            return None
-        self.save(f"step-{step}", step, epoch, with_state=True)
-        return self.checkpoints_dir / f"step-{step}"
 
     def _record(
         self, step: int, epoch: int, lr: float, grad_norm: float, accumulated: AccumulatedStep, seconds: float
@@ -392,7 +410,7 @@ class Trainer:
         self.watchdog.beat("eval")
         result = validation_loss(self.engine, self.parts.validation or [], self.parts.objective)
         if self.cfg.checkpoint.keep_best and result.loss < self.best_val_loss:
-            self.save("best", step, epoch, with_state=False)
+            self.checkpointer.save_model("best", step)
         self.best_val_loss = min(self.best_val_loss, result.loss)
         self.watchdog.beat("eval")
         return result
@@ -409,7 +427,7 @@ class Trainer:
             self.cfg.data.system,
             evaluation.sample_max_new_tokens,
             self.cfg.train.precision,
-            synced=self.engine.sharded and self.engine.info.distributed,
+            synced=self.engine.generates_in_lockstep,
             on_batch=lambda: self.watchdog.beat("generation", training=step > 0),
         )
         if not self.is_main:
@@ -424,25 +442,22 @@ class Trainer:
         except OSError as exc:  # a full disk ends the run at the next checkpoint, not here
             self.progress.log(f"warning: samples.jsonl: step {step}'s samples not written ({exc.strerror})")
 
-    def save(self, name: str, step: int, epoch: int | None, with_state: bool) -> None:
-        """`checkpoints/NAME` from every rank, with the training state for an exact resume when `with_state`."""
-        point = None
-        if with_state:
-            train = self.cfg.train
-            point = ResumePoint(
-                step,
-                epoch or 0,
-                self.samples_consumed,
-                self.engine.info.world_size,
-                train.micro_batch_size,
-                train.gradient_accumulation,
-                self.engine.name,
-                self.best_val_loss if self.best_val_loss < float("inf") else None,
-                self.parts.run_id or None,
-                self.parts.layout.size,
-                self.data_signature,
-            )
-        self.writer.save(name, {**self.chat_meta, "step": step}, point)
+    def resume_point(self, step: int, epoch: int) -> ResumePoint:
+        """Where the run is after `step`: what a step checkpoint records for an exact resume."""
+        train = self.cfg.train
+        return ResumePoint(
+            step,
+            epoch,
+            self.samples_consumed,
+            self.engine.info.world_size,
+            train.micro_batch_size,
+            train.gradient_accumulation,
+            self.engine.name,
+            self.best_val_loss if self.best_val_loss < float("inf") else None,
+            self.parts.run_id or None,
+            self.parts.layout.size,
+            self.data_signature,
+        )
 
 
 class TrainerObserver(StepObserver):

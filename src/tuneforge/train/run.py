@@ -84,7 +84,7 @@ def run_training(cfg: Config, work_dir: Path, resume: str | None = None, archive
     info = init_distributed()
     transformers.utils.logging.disable_progress_bar()  # our own progress is the one to read
     say: Say = print if info.is_main else (lambda _: None)
-    engine_name = choose_engine(cfg.parallel.engine, info)
+    engine_name = choose_engine(cfg.parallel.engine, info, cfg.parallel)
     lock_note = take_lock(work_dir) if info.is_main else ""
     try:
         return _locked_run(cfg, work_dir, resume, archive_previous, info, engine_name, say, lock_note)
@@ -238,7 +238,7 @@ def setup(
     data = load_data(cfg, tokenizer, template, info, say)
     if cfg.watchdog.doctor != "off":
         preflight(cfg, engine_name, info, tokenizer, len(data.train.data), say)
-    layout = sequence_layout(cfg, engine_name, info, tokenizer, say)
+    layout = sequence_layout(cfg, info, tokenizer, say)
     traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
     if cfg.train.compile:
         traits.check_compile()
@@ -288,7 +288,7 @@ def setup(
     )
 
 
-def sequence_layout(cfg: Config, engine_name: str, info: DistInfo, tokenizer, say: Say) -> Layout:
+def sequence_layout(cfg: Config, info: DistInfo, tokenizer, say: Say) -> Layout:
     """Where this rank sits in data and sequence parallelism; with `parallel.sequence_parallel` > 1, the checks
     that need only the model's config (before it loads) and the sequence-parallel process groups."""
     size = cfg.parallel.sequence_parallel
@@ -296,9 +296,7 @@ def sequence_layout(cfg: Config, engine_name: str, info: DistInfo, tokenizer, sa
         return Layout.of(info.rank, info.world_size, 1)
     config = model_config(cfg.model, tokenizer).get_text_config()
     heads = config.num_attention_heads
-    problems = unsupported(
-        heads, getattr(config, "num_key_value_heads", None) or heads, info.world_size, size, engine_name
-    )
+    problems = unsupported(heads, getattr(config, "num_key_value_heads", None) or heads, info.world_size, size)
     if cfg.model.attn_implementation != "sdpa":
         problems.append(
             f"model.attn_implementation={cfg.model.attn_implementation}: it needs sdpa (tuneforge's packed attention)"
@@ -463,7 +461,7 @@ def evaluate_exact_match(parts: RunParts, info: DistInfo, say: Say) -> float:
         match_cfg.max_new_tokens,
         match_cfg.batch_size,
         cfg.train.precision,
-        synced=engine.sharded and info.distributed,
+        synced=engine.generates_in_lockstep,
         on_batch=lambda: parts.watchdog.beat("eval"),
     )
     if info.is_main:

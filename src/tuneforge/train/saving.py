@@ -18,10 +18,13 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers import PreTrainedTokenizerBase
 
+from tuneforge.config.schema import Config
 from tuneforge.distributed import barrier
 from tuneforge.engines import Engine
 from tuneforge.errors import SharedUserError, first_line
+from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.train.checkpoint import (
+    QUANTIZED_EXPERTS,
     commit_checkpoint,
     directory_bytes,
     prune_checkpoints,
@@ -33,7 +36,26 @@ from tuneforge.train.state import TRAINING_STATE, ResumePoint, save_rng, write_s
 from tuneforge.train.write_faults import WriteFault, classify, file_size_limit, nearest_existing
 
 
-class CheckpointWriter:
+def chat_meta(cfg: Config, engine: Engine) -> dict[str, Any]:
+    """What `chat` and `export` need to use a checkpoint as it was trained: the template, the system prompt and,
+    for adapters, how to rebuild the base model they were trained on."""
+    data = cfg.data.model_dump(mode="json")
+    meta: dict[str, Any] = {"template": data["template"], "system": data["system"]}
+    if cfg.model.lora is not None:
+        meta["adapter"] = {
+            "dtype": cfg.model.dtype,
+            "trust_remote_code": cfg.model.trust_remote_code,
+            "quantization": cfg.model.quantization.model_dump() if cfg.model.quantization else None,
+            QUANTIZED_EXPERTS: quantized_experts_count(engine.unwrapped),
+        }
+    return meta
+
+
+class Checkpointer:
+    """Every checkpoint of a run: step checkpoints with the training state (keeping the last
+    `checkpoint.keep_last`), the final and best models, and the one saved when the ranks agreed to stop. Owns
+    atomicity (a temporary directory renamed into place), the vote on write faults and their one message."""
+
     def __init__(
         self,
         engine: Engine,
@@ -41,6 +63,7 @@ class CheckpointWriter:
         checkpoints_dir: Path,
         config_file: Path,
         keep_last: int | None,
+        meta: dict[str, Any],
         log: Callable[[str], None],
         beat: Callable[[], None],
     ):
@@ -49,11 +72,35 @@ class CheckpointWriter:
         self.checkpoints_dir = checkpoints_dir
         self.config_file = config_file
         self.keep_last = keep_last
+        self.meta = meta
         self.log = log
         self.beat = beat
         self.adapter_note_said = False
         self.last_state_save_s: float | None = None
         """How long the last checkpoint with training state took: whether another fits in a stop's grace time."""
+
+    def save_step(self, point: ResumePoint) -> Path:
+        """`checkpoints/step-N` with the training state for an exact resume."""
+        return self.save(f"step-{point.step}", {**self.meta, "step": point.step}, point)
+
+    def save_model(self, name: str, step: int) -> Path:
+        """`checkpoints/final` or `checkpoints/best`: the model alone."""
+        return self.save(name, {**self.meta, "step": step}, None)
+
+    def save_before_stop(self, point: ResumePoint, grace_left_s: float) -> Path | None:
+        """The step checkpoint when the ranks agreed to stop on a signal, unless the last one took longer than the
+        grace time left on some rank (a half-written one would be discarded anyway when the scheduler kills the
+        job). Every rank decides the same: one vote."""
+        last = self.last_state_save_s
+        too_slow = last is not None and last > grace_left_s
+        (too_slow_anywhere,) = self.engine.sum_across_ranks([float(too_slow)])
+        if too_slow_anywhere:
+            self.log(
+                f"no checkpoint at step {point.step}: the last one took {last or 0:.0f}s and "
+                f"{max(grace_left_s, 0):.0f}s of watchdog.stop_grace_s are left; --resume auto takes the newest one"
+            )
+            return None
+        return self.save_step(point)
 
     def save(self, name: str, meta: dict[str, Any], point: ResumePoint | None) -> Path:
         """`checkpoints/NAME`, with the training state for an exact resume when `point` is given. A collective:

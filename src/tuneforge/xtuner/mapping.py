@@ -31,12 +31,15 @@ DEEPSPEED_PRESETS = {
 }
 MAP_FUNCTIONS = {"openai_map_fn": "openai", "alpaca_map_fn": "alpaca"}
 """xtuner dataset map functions and the tuneforge format that reads the same records."""
+PREFERENCE_MODELS = {"DPO": "dpo", "ORPO": "orpo"}
+"""xtuner's preference wrappers and the `train.objective` that trains the same loss."""
+PAIR_MAP_FUNCTIONS = ("orpo_dpo_mix_40k_map_fn",)
+"""xtuner map functions for preference rows that tuneforge's pair reader reads as they are: `chosen` and
+`rejected` whole conversations sharing their prompt (the reader takes the shared first messages as it)."""
 REFUSED_MODELS = {
     "LLaVAModel": "vision-language training (image encoder and projector); tuneforge fine-tunes text-only models",
     "InternVL_V1_5": "vision-language training (image encoder and projector); tuneforge fine-tunes text-only models",
-    "DPO": "preference training (DPO); tuneforge does supervised fine-tuning",
-    "ORPO": "preference training (ORPO); tuneforge does supervised fine-tuning",
-    "RewardModel": "reward-model training; tuneforge does supervised fine-tuning",
+    "RewardModel": "reward-model training; tuneforge trains causal LMs (SFT, DPO, ORPO), not scalar heads yet",
 }
 """xtuner model wrappers whose training tuneforge does not do: the whole config is refused, with this reason."""
 LOCAL_LOADERS = ("json", "parquet")
@@ -290,9 +293,11 @@ class Mapper:
                 "a config for xtuner's Hugging Face Trainer path; tuneforge maps its mmengine configs"
             )
         kind = _name(model.type)
-        if kind != "SupervisedFinetune":
-            why = REFUSED_MODELS.get(kind, "tuneforge maps xtuner's SupervisedFinetune (causal LM fine-tuning) only")
+        if kind != "SupervisedFinetune" and kind not in PREFERENCE_MODELS:
+            why = REFUSED_MODELS.get(kind, "tuneforge maps xtuner's SupervisedFinetune, DPO and ORPO only")
             raise UserError(f"{self.path}:{model.line}: model type {kind} cannot be carried over: {why}")
+        if kind in PREFERENCE_MODELS:
+            self.map_preference(model, PREFERENCE_MODELS[kind])
         self.map_model(model, values.get("tokenizer"))
         self.stage = "train_dataloader"
         self.map_data(values.get("train_dataloader"))
@@ -345,6 +350,39 @@ class Mapper:
                 out["tokenizer"] = source
             self.take(tokenizer, "trust_remote_code")
             self.leftovers(tokenizer, "tokenizer")
+
+    def map_preference(self, model: Call, objective: str) -> None:
+        """DPO's and ORPO's own settings; the language model and its adapters are mapped as for SFT."""
+        self.section("train")["objective"] = objective
+        preference = self.section("preference")
+        beta = self.number(model, "beta", "model")
+        if objective == "orpo":
+            if beta is not None:
+                preference["lambda"] = beta  # xtuner's ORPO calls the odds-ratio weight beta
+            return
+        if beta is not None:
+            preference["beta"] = beta
+        loss_type = self.take(model, "loss_type")
+        if loss_type == "kto_pair":
+            self.unmapped(
+                self.line(model, "loss_type"),
+                "loss_type = 'kto_pair'",
+                "its KL term is a mean over the whole batch, which accumulation and several ranks cannot reproduce; "
+                "pick another preference.loss_type",
+            )
+        elif loss_type is not None:
+            preference["loss_type"] = loss_type
+        if (smoothing := self.number(model, "label_smoothing", "model")) is not None:
+            preference["label_smoothing"] = smoothing
+        if self.take(model, "ref_llm") is not None:
+            self.result.notes.append("ref_llm -> the reference is the base model with the adapters disabled")
+        if not isinstance(model.get("lora"), Call):
+            self.unmapped(
+                model.line,
+                "DPO without lora (full fine-tuning)",
+                "tuneforge's DPO takes its reference from the base with the LoRA adapters disabled and has no "
+                "full-fine-tuning reference yet: add model.lora, or train ORPO (no reference)",
+            )
 
     def map_quantization(self, call: Call) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -428,6 +466,9 @@ class Mapper:
             self.unmapped(line, f"train_dataset = {_show(dataset)}", "not a dataset dict; set data.train_files")
             return
         kind = _name(dataset)
+        if kind == "build_preference_dataset":
+            self.map_pairs(dataset)
+            return
         if kind != "process_hf_dataset":
             self.unmapped(
                 dataset.line,
@@ -464,6 +505,32 @@ class Mapper:
         if (pack := self.take(dataset, "pack_to_max_length")) is not None:
             self.put("packing", bool(pack), self.line(dataset, "pack_to_max_length"))
         self.take(dataset, "tokenizer")
+        self.leftovers(dataset, "train_dataset")
+
+    def map_pairs(self, dataset: Call) -> None:
+        """xtuner's preference dataset: its source, map function and lengths. Pairs are packed with their answers
+        in one row whatever xtuner's varlen settings, so those need nothing."""
+        self.map_source(self.take(dataset, "dataset"), self.line(dataset, "dataset"))
+        map_fn = self.take(dataset, "dataset_map_fn")
+        if map_fn is not None and _name(map_fn) not in PAIR_MAP_FUNCTIONS:
+            self.unmapped(
+                self.line(dataset, "dataset_map_fn"),
+                f"dataset_map_fn = {_name(map_fn)}",
+                "a custom map function; write the pairs as prompt/chosen/rejected rows (messages) and set "
+                "data.train_files",
+            )
+        self.put("template", "tokenizer", dataset.line)
+        self.result.notes.append(
+            "build_preference_dataset renders pairs with the tokenizer's chat template -> data.template: tokenizer"
+        )
+        if self.take(dataset, "is_reward"):
+            self.unmapped(self.line(dataset, "is_reward"), "is_reward = True", "reward-model data is not read yet")
+        if (length := self.number(dataset, "max_length", "train_dataset")) is not None:
+            self.put("max_length", int(length), self.line(dataset, "max_length"))
+        if self.take(dataset, "use_varlen_attn"):
+            self.put("packing", True, self.line(dataset, "use_varlen_attn"))
+        for key in ("tokenizer", "is_dpo", "reward_token_id", "num_proc", "max_packed_length", "shuffle_before_pack"):
+            self.take(dataset, key)
         self.leftovers(dataset, "train_dataset")
 
     def map_source(self, source: Any, line: int) -> None:
