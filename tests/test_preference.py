@@ -282,9 +282,11 @@ def test_the_wrong_kind_of_data_stops_before_the_model_loads(tmp_path):
     )
     assert checked.returncode == 0 and "4 records read from 1 source(s); 4 kept" in checked.stdout
     full = subprocess.run(
-        [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "model.lora=null"], capture_output=True, text=True
+        [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "model.lora=null", "preference.reference=adapters"],
+        capture_output=True,
+        text=True,
     )
-    assert full.returncode != 0 and "train.objective: dpo needs a reference model" in full.stderr
+    assert full.returncode != 0 and "preference.reference: adapters needs model.lora" in full.stderr
 
 
 def test_a_data_file_with_pairs_is_rejected_by_sft_in_the_library_too(tmp_path, tokenizer):
@@ -310,6 +312,7 @@ log: {{progress: lines}}
     [
         ("llama", "ddp", "model.lora={r: 4, alpha: 8, dropout: 0.0}"),
         ("deepseek_v2", "zero3_offload", "model.lora={r: 4, alpha: 8, dropout: 0.0, experts: true}"),
+        ("llama", "fsdp", "model.lora=null"),  # full fine-tuning: the reference precomputed over both ranks
     ],
 )
 def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora):
@@ -330,8 +333,71 @@ def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora):
     mine, theirs = metrics(tmp_path / "two"), metrics(tmp_path / "one")
     for key in ("loss", "rewards/margin", "rewards/accuracy", *(["router_aux_loss"] if model != "llama" else [])):
         assert [r[key] for r in mine] == pytest.approx([r[key] for r in theirs], abs=1e-5), key
-    adapter = tmp_path / "{}" / "checkpoints" / "final" / "adapter_model.safetensors"
+    weights = "adapter_model" if "lora=null" not in lora else "model"
+    adapter = tmp_path / "{}" / "checkpoints" / "final" / f"{weights}.safetensors"
     one_weights, two_weights = (load_file(str(adapter).format(run)) for run in ("one", "two"))
     assert one_weights.keys() == two_weights.keys()
     for name, tensor in one_weights.items():
         torch.testing.assert_close(two_weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_dpo_precomputes_its_reference_once_and_equals_a_live_one(tmp_path):
+    """A precomputed reference equals the live one where both exist (LoRA: before training the adapters are
+    zero, so the model is its base); full fine-tuning precomputes it into the work dir and reads it back on
+    resume, which then equals the uninterrupted run."""
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(24)])
+    (tmp_path / "cfg.yaml").write_text(DPO_CONFIG.replace("max_steps: 6", "max_steps: 4"))
+    live = launch(tmp_path / "cfg.yaml", tmp_path / "live")
+    table = launch(tmp_path / "cfg.yaml", tmp_path / "table", "preference.reference=precompute")
+    assert live.returncode == table.returncode == 0, table.stderr[-3000:]
+    assert "dpo reference: computing the train log-probabilities" in table.stdout
+    live_losses = [json.loads(line)["loss"] for line in (tmp_path / "live" / "metrics.jsonl").open()]
+    table_losses = [json.loads(line)["loss"] for line in (tmp_path / "table" / "metrics.jsonl").open()]
+    assert table_losses == pytest.approx(live_losses, abs=1e-6)
+
+    full = ["model.lora=null", "checkpoint.every_steps=2"]
+    whole = launch(tmp_path / "cfg.yaml", tmp_path / "full", *full)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    saved = list((tmp_path / "full" / "reference").glob("train-*.safetensors"))
+    assert len(saved) == 1
+    cut = launch(tmp_path / "cfg.yaml", tmp_path / "cut", *full, fault="kill:0:3")
+    assert cut.returncode != 0
+    resumed = launch(tmp_path / "cfg.yaml", tmp_path / "cut", *full, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "dpo reference: train log-probabilities read from" in resumed.stdout
+    again = [json.loads(line)["loss"] for line in (tmp_path / "cut" / "metrics.jsonl").open()]
+    first = [json.loads(line)["loss"] for line in (tmp_path / "full" / "metrics.jsonl").open()]
+    assert again == pytest.approx(first, abs=1e-6) and len(again) == 4
+
+
+def test_validation_over_held_out_pairs_counts_each_pair_once(tmp_path, tokenizer):
+    """Held-out pairs are batched like training pairs (a pair's answers in one row), rows repeated to give every
+    rank a batch are not counted, and the mean over pairs equals the loss of all of them in one batch."""
+    from tuneforge.distributed import Layout
+    from tuneforge.train.validate import validation_batches, validation_loss
+
+    split = pair_data(tmp_path, tokenizer, [pair(i) for i in range(3)])
+    engine = single_engine(lora_model(tokenizer))
+    objective = build_objective(engine, "fp32", objective="dpo", preference=PreferenceConfig(beta=0.5))
+    batches = list(validation_batches(split.data, 2, tokenizer.pad_token_id, Layout(), False, 1024, group=2))
+    assert sorted(b.num_samples for b in batches) == [2, 4]
+    result = validation_loss(engine, batches, objective)
+    whole = accumulate_gradients(engine, [collate(split.data, [[0, 1], [2, 3], [4, 5]], 0, True)], objective)
+    engine.optimizer.zero_grad(set_to_none=True)
+    assert result.units == 3
+    assert result.loss == pytest.approx(whole.loss, rel=1e-5)
+    assert result.metrics["rewards/margin"] == pytest.approx(whole.metrics["rewards/margin"], rel=1e-5, abs=1e-7)
+    # Two ranks: the second rank's share of the last batch is a repeated pair, masked and not counted.
+    last_rank = list(validation_batches(split.data, 1, 0, Layout.of(1, 2, 1), False, 1024, group=2))
+    assert sorted(objective.count(b) for b in last_rank) == [0, 1]
+
+
+@pytest.mark.slow
+def test_the_dpo_demo_config_trains_and_validates(tmp_path):
+    from conftest import REPO
+
+    result = launch(REPO / "configs" / "demo_dpo.yaml", tmp_path / "run", "train.max_steps=2", "eval.every_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()][-1]
+    assert {"val_loss", "val_rewards/accuracy", "rewards/margin"} <= record.keys()

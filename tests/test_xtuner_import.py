@@ -366,7 +366,9 @@ def test_dpo_and_orpo_configs_import_with_their_loss_settings(tmp_path):
     kto = import_config(_config(tmp_path, DPO_CONFIG.replace("loss_type='hinge'", "loss_type='kto_pair'")))
     assert any("kto_pair" in what for _, what, _ in kto.unmapped)
     full = import_config(_config(tmp_path, DPO_CONFIG.replace("    lora=dict(type=LoraConfig", "    # lora=dict(")))
-    assert any("DPO without lora" in what for _, what, _ in full.unmapped)
+    assert not [what for _, what, _ in full.unmapped if "lora" in what or "DPO" in what]
+    assert "lora" not in full.config["model"]
+    assert any("precomputed once, before training" in note for note in full.notes)
     orpo = import_config(
         _config(
             tmp_path,

@@ -392,9 +392,11 @@ class PreferenceConfig(Section):
     orpo_lambda: float = Field(0.1, gt=0, alias="lambda")
     """ORPO: weight of the odds-ratio term beside the chosen answer's cross-entropy (written `lambda`)."""
 
-    reference: Literal["auto", "adapters"] = "auto"
-    """DPO's reference model: `adapters` is the base with the LoRA adapters disabled (no copy, the only one for
-    now); `auto` picks it. Full fine-tuning needs a reference that is not built yet, and is refused."""
+    reference: Literal["auto", "adapters", "precompute"] = "auto"
+    """DPO's reference model: `adapters` is the base with the LoRA adapters disabled (no copy; LoRA and QLoRA);
+    `precompute` is every answer's log-probability under the model before training, computed in one pass and
+    kept in the work dir (`reference/`, read again on resume); `auto` takes `adapters` with LoRA, else
+    `precompute`."""
 
 
 class ParallelConfig(Section):
@@ -555,11 +557,10 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_objective(self) -> Config:
-        if self.train.objective == "dpo" and self.model.lora is None:
+        if self.train.objective == "dpo" and self.model.lora is None and self.preference.reference == "adapters":
             raise ValueError(
-                "train.objective: dpo needs a reference model; with model.lora (LoRA or QLoRA) it is the base with "
-                "the adapters disabled, at no memory cost. A reference for full fine-tuning is not built yet: add "
-                "model.lora, or use train.objective: orpo, which needs none"
+                "preference.reference: adapters needs model.lora (the reference is the base with the adapters "
+                "disabled); for full fine-tuning use preference.reference: precompute (or auto)"
             )
         if self.paired and self.parallel.sequence_parallel > 1:
             raise ValueError(
@@ -567,6 +568,14 @@ class Config(Section):
                 "(an answer's log-probability would be split across ranks); set parallel.sequence_parallel: 1"
             )
         return self
+
+    @property
+    def reference(self) -> str:
+        """DPO's reference, resolved: `adapters` with LoRA (unless precompute is asked for), else `precompute`."""
+        asked = self.preference.reference
+        if asked == "auto":
+            return "adapters" if self.model.lora is not None else "precompute"
+        return asked
 
     @property
     def paired(self) -> bool:

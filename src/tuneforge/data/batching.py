@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ class MicroBatch:
     own count (right for one process); `BatchPlanner` sets the global one."""
     global_samples: int = -1
     """Samples of the whole global micro-batch, likewise (a preference step's mean is over pairs of them)."""
+    sample_indices: list[int] = field(default_factory=list)
+    """The data index of each sample, in the order of `origins` (row by row): where per-sample values computed
+    once (a preference reference's log-probs) are looked up."""
 
     def __post_init__(self) -> None:
         if self.global_targets < 0:
@@ -94,7 +97,10 @@ def collate(
         # one stretch (never attended by a sample) rather than one piece per padding token.
         position_ids[r, cursor:] = torch.arange(width - cursor)
     attention_mask = (sequence_ids >= 0).long()
-    return MicroBatch(input_ids, attention_mask, targets, position_ids, sequence_ids, packed, origins)
+    indices = [index for row in rows for index in row]
+    return MicroBatch(
+        input_ids, attention_mask, targets, position_ids, sequence_ids, packed, origins, sample_indices=indices
+    )
 
 
 def shard_rows(batch: MicroBatch, shard: int, size: int) -> MicroBatch:
@@ -117,6 +123,7 @@ def shard_rows(batch: MicroBatch, shard: int, size: int) -> MicroBatch:
         whole_position_ids=batch.position_ids,
         global_targets=batch.global_targets,
         global_samples=batch.global_samples,
+        sample_indices=batch.sample_indices,
     )
 
 

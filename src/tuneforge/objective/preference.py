@@ -25,7 +25,8 @@ REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewar
 """TRL's names, so dashboards built for it read ours."""
 
 ReferenceLogProbs = Callable[[MicroBatch], torch.Tensor]
-"""The reference model's log p(target) at every labelled position of a micro-batch (no gradient)."""
+"""The reference model's log-probability of each answer of a micro-batch (row by row, on the model's device, no
+gradient)."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,28 @@ def answer_of_targets(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return answer, torch.bincount(answer, minlength=answers)
 
 
+def answer_log_probs(forward: TokenForward, batch: MicroBatch) -> torch.Tensor:
+    """Each answer's log-probability under `forward`'s model as it is: the sum over its target tokens."""
+    return AnswerLayout.of(batch, forward.device).sums(forward.target_log_probs(batch))
+
+
 def disabled_adapters_reference(forward: TokenForward, peft_model: torch.nn.Module) -> ReferenceLogProbs:
     """The reference of LoRA and QLoRA training: the same model with its adapters disabled (no copy)."""
 
     def reference(batch: MicroBatch) -> torch.Tensor:
         with torch.no_grad(), peft_model.disable_adapter():
-            return forward.target_log_probs(batch)
+            return answer_log_probs(forward, batch)
+
+    return reference
+
+
+def precomputed_reference(table: torch.Tensor, device: torch.device) -> ReferenceLogProbs:
+    """The reference of full fine-tuning: each answer's log-probability under the model before training,
+    computed once (`train.reference`) and looked up by the answer's index in the data."""
+    table = table.to(device)
+
+    def reference(batch: MicroBatch) -> torch.Tensor:
+        return table.index_select(0, to_device(torch.tensor(batch.sample_indices), device))
 
     return reference
 
@@ -127,7 +144,7 @@ class DirectPreference(PairObjective):
     def evaluate(self, batch: MicroBatch, prepared: object) -> tuple[torch.Tensor, Metrics]:
         assert isinstance(prepared, torch.Tensor)
         layout = AnswerLayout.of(batch, self.forward.device)
-        policy, reference = layout.sums(self.forward.target_log_probs(batch)), layout.sums(prepared)
+        policy, reference = layout.sums(self.forward.target_log_probs(batch)), prepared
         if self.loss_type == "ipo":  # IPO compares mean token log-probs, so long answers do not dominate
             lengths = layout.tokens.clamp(min=1)
             policy, reference = policy / lengths, reference / lengths

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
 from tuneforge.config.schema import PreferenceConfig
 from tuneforge.engines import Engine
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.objective import CrossEntropy, Objective, TokenForward
-from tuneforge.objective.preference import DirectPreference, OddsRatioPreference, disabled_adapters_reference
+from tuneforge.objective.preference import (
+    DirectPreference,
+    OddsRatioPreference,
+    disabled_adapters_reference,
+    precomputed_reference,
+)
 
 
 def build_objective(
@@ -15,10 +24,12 @@ def build_objective(
     balance: RouterBalance | None = None,
     objective: str = "sft",
     preference: PreferenceConfig | None = None,
+    precompute: Callable[[TokenForward], torch.Tensor] | None = None,
 ) -> Objective:
     """`objective` (`train.objective`) over `engine`'s model: its forward (output layer fused with the loss where
     the engine leaves it whole), and the router balance loss of MoE models when `balance` is given, applied to
-    the policy's forward only."""
+    the policy's forward only. DPO's reference: the base with the adapters disabled, or with `precompute` the
+    table of every answer's log-probability it computes with the model before training."""
     forward = TokenForward(engine.model, engine.unwrapped, precision, engine.traits.fuses_output_layer)
     settings = preference or PreferenceConfig()
     if objective == "sft":
@@ -26,11 +37,15 @@ def build_objective(
     if objective == "orpo":
         return OddsRatioPreference(forward, settings.orpo_lambda, balance, engine.sum_tensor_across_ranks)
     if objective == "dpo":
-        if not hasattr(engine.unwrapped, "disable_adapter"):
-            raise ValueError("DPO's reference is the base model with the adapters disabled: the model needs LoRA")
+        if precompute is not None:
+            reference = precomputed_reference(precompute(forward), forward.device)
+        elif hasattr(engine.unwrapped, "disable_adapter"):
+            reference = disabled_adapters_reference(forward, engine.unwrapped)
+        else:
+            raise ValueError("DPO needs a reference: LoRA adapters to disable, or a precomputed table")
         return DirectPreference(
             forward,
-            disabled_adapters_reference(forward, engine.unwrapped),
+            reference,
             settings.beta,
             settings.loss_type,
             settings.label_smoothing,

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
+from tuneforge.objective import TokenForward
 from tuneforge.train.checkpoint import step_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.faults import FaultInjector, injected_fault
@@ -43,6 +45,7 @@ from tuneforge.train.objectives import build_objective
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
+from tuneforge.train.reference import compute_reference, reference_key, reference_log_probs
 from tuneforge.train.sinks import require_packages
 from tuneforge.train.state import (
     TRAINING_STATE,
@@ -227,7 +230,13 @@ def truncate_log(path: Path, step: int) -> int:
 
 
 def setup(
-    cfg: Config, work_dir: Path, watchdog: StallWatchdog, info: DistInfo, engine_name: str, say: Say, run_id: str
+    cfg: Config,
+    work_dir: Path,
+    watchdog: StallWatchdog,
+    info: DistInfo,
+    engine_name: str,
+    say: Say,
+    run_id: str,
 ) -> RunParts:
     """Data, pre-flight checks, model, engine and batches: everything the loop needs, in the order that lets each
     fail early (bad data before the doctor, the doctor before the model loads)."""
@@ -270,6 +279,12 @@ def setup(
 
     if info.distributed:  # the module names label collectives; one process has none, and the hooks cost time
         RECORDER.track_modules(engine.unwrapped)
+    validation = validation_split(cfg, data, tokenizer, layout)
+    precompute = None
+    if cfg.train.objective == "dpo" and cfg.reference == "precompute":
+        precompute = reference_tables(cfg, engine, data, validation, tokenizer.pad_token_id, layout, work_dir, watchdog)
+        precompute = partial(precompute, say=say, is_main=info.is_main)
+    objective = build_objective(engine, cfg.train.precision, balance, cfg.train.objective, cfg.preference, precompute)
     return RunParts(
         cfg=cfg,
         work_dir=work_dir,
@@ -280,8 +295,8 @@ def setup(
         planner=planner,
         steps_from=steps_from,
         watchdog=watchdog,
-        objective=build_objective(engine, cfg.train.precision, balance, cfg.train.objective, cfg.preference),
-        validation=validation_split(cfg, data, tokenizer, layout),
+        objective=objective,
+        validation=validation,
         layout=layout,
         flops_per_token=flops_per_token,
         run_id=run_id,
@@ -376,6 +391,46 @@ def check_disk_room(cfg: Config, work_dir: Path, total: int, trainable: int, say
         say(warning)
 
 
+def reference_tables(
+    cfg: Config,
+    engine: Engine,
+    data: PreparedData,
+    validation: list[MicroBatch] | None,
+    pad_id: int,
+    layout: Layout,
+    work_dir: Path,
+    watchdog: StallWatchdog,
+) -> Callable[..., torch.Tensor]:
+    """DPO's precomputed reference, as one table: the train split's answers, then the validation split's (whose
+    batches' sample indices are moved past the train split's to look them up)."""
+    identity = {"model": cfg.model.model_dump(mode="json"), "precision": cfg.train.precision, "seed": cfg.train.seed}
+    splits = [("train", data.train.data)]
+    if validation is not None and data.validation is not None:
+        splits.append(("validation", data.validation.data))
+        for batch in validation:
+            batch.sample_indices = [i + len(data.train.data) for i in batch.sample_indices]
+
+    def tables(forward: TokenForward, say: Say, is_main: bool) -> torch.Tensor:
+        found = []
+        for name, split in splits:
+            compute = partial(
+                compute_reference,
+                engine,
+                forward,
+                split,
+                cfg.train.micro_batch_size,
+                pad_id,
+                layout,
+                cfg.data.max_length,
+                lambda: watchdog.beat("model", training=False),
+            )
+            key = reference_key(split, identity)
+            found.append(reference_log_probs(work_dir, name, key, len(split), compute, is_main, say))
+        return torch.cat(found)
+
+    return tables
+
+
 def validation_split(cfg: Config, data: PreparedData, tokenizer, layout: Layout) -> list[MicroBatch] | None:
     if data.validation is not None and len(data.validation.data):
         return list(
@@ -386,6 +441,7 @@ def validation_split(cfg: Config, data: PreparedData, tokenizer, layout: Layout)
                 layout,
                 cfg.data.packing,
                 cfg.data.max_length,
+                2 if cfg.paired else 1,
             )
         )
     if cfg.checkpoint.keep_best:

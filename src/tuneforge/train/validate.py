@@ -24,22 +24,33 @@ from tuneforge.objective import Objective
 
 
 def validation_batches(
-    data: TokenizedData, micro_batch_size: int, pad_id: int, layout: Layout, packing: bool, max_length: int
+    data: TokenizedData,
+    micro_batch_size: int,
+    pad_id: int,
+    layout: Layout,
+    packing: bool,
+    max_length: int,
+    group: int = 1,
 ) -> Iterator[MicroBatch]:
     """This rank's share of every global validation micro-batch (its data-parallel group's rows, its sequence
     shard of them). When a batch has fewer rows than groups, the rows repeated to give every group a batch have
-    their targets masked, so each sample counts exactly once."""
+    their targets masked, so each sample counts exactly once. `group` samples side by side stay in one row (2:
+    a preference pair's answers), as in training."""
     rank, world_size = layout.data_rank, layout.data_size
-    packed_rows = best_fit_decreasing(data.lengths, max_length) if packing else None
-    plan = plan_epoch(
-        data.lengths, micro_batch_size * world_size, "packed" if packing else "grouped", 0, 0, packed_rows
-    )
+    units = data.lengths.reshape(-1, group).sum(axis=1) if group > 1 else data.lengths
+    packed_rows = best_fit_decreasing(units, max_length * group) if packing else None
+    plan = plan_epoch(units, micro_batch_size * world_size, "packed" if packing else "grouped", 0, 0, packed_rows)
     for batch in plan:
+        batch = [[unit * group + member for unit in row for member in range(group)] for row in batch]
         real = len(batch)
         rows = batch + [batch[i % real] for i in range(max(0, world_size - real))]
         bounds = np.linspace(0, len(rows), world_size + 1).round().astype(int)
         mine = collate(
-            data, rows[bounds[rank] : bounds[rank + 1]], pad_id, packing, sequence_width_multiple(layout.size)
+            data,
+            rows[bounds[rank] : bounds[rank + 1]],
+            pad_id,
+            packing or group > 1,
+            sequence_width_multiple(layout.size),
         )
         for position in range(bounds[rank], bounds[rank + 1]):
             if position >= real:

@@ -374,15 +374,10 @@ class Mapper:
             preference["loss_type"] = loss_type
         if (smoothing := self.number(model, "label_smoothing", "model")) is not None:
             preference["label_smoothing"] = smoothing
-        if self.take(model, "ref_llm") is not None:
-            self.result.notes.append("ref_llm -> the reference is the base model with the adapters disabled")
-        if not isinstance(model.get("lora"), Call):
-            self.unmapped(
-                model.line,
-                "DPO without lora (full fine-tuning)",
-                "tuneforge's DPO takes its reference from the base with the LoRA adapters disabled and has no "
-                "full-fine-tuning reference yet: add model.lora, or train ORPO (no reference)",
-            )
+        lora = isinstance(model.get("lora"), Call)
+        if self.take(model, "ref_llm") is not None or not lora:
+            how = "the base with the adapters disabled" if lora else "precomputed once, before training"
+            self.result.notes.append(f"DPO reference (xtuner: a copy of the model) -> {how}; no second model held")
 
     def map_quantization(self, call: Call) -> dict[str, Any]:
         out: dict[str, Any] = {}
