@@ -65,6 +65,7 @@ def build(layers: int, rank: int, lora: dict, device: str, dtype: torch.dtype):
 
     from tuneforge.config.schema import LoraSettings, ModelConfig
     from tuneforge.model.adapters import make_trainable
+    from tuneforge.model.moe import find_moe
 
     torch.manual_seed(0)
     config = model_config(layers)
@@ -77,7 +78,9 @@ def build(layers: int, rank: int, lora: dict, device: str, dtype: torch.dtype):
 
         quantize_stacked_experts(model, QuantizationConfig(bits=4, compute_dtype=str(dtype).split(".")[-1]), dtype)
     settings = LoraSettings(r=rank, alpha=2 * rank, dropout=0.0, **lora)
-    model, notes = make_trainable(model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    model, notes = make_trainable(
+        model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False, find_moe(model)
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # the same non-zero adapters in every contender
         for name, param in model.named_parameters():
@@ -95,6 +98,7 @@ def estimated_delta_seconds(args: argparse.Namespace) -> tuple[float, str]:
     from tuneforge.engines import engine_traits
     from tuneforge.estimate import estimate
     from tuneforge.estimate.hardware import ACCELERATORS, local_accelerator
+    from tuneforge.model.moe import find_moe
 
     with torch.device("meta"):
         skeleton = DeepseekV2ForCausalLM(model_config(args.layers))
@@ -105,7 +109,9 @@ def estimated_delta_seconds(args: argparse.Namespace) -> tuple[float, str]:
         train=TrainConfig(precision="bf16", micro_batch_size=1),
     )
     accelerator = local_accelerator() or ACCELERATORS["h200"]
-    result = estimate(cfg, skeleton, engine_traits("single", cfg.parallel, cfg.train), 1, accelerator)
+    result = estimate(
+        cfg, skeleton, engine_traits("single", cfg.parallel, cfg.train), 1, accelerator, find_moe(skeleton)
+    )
     times = {what: seconds for what, seconds, _ in result.times}
     return times.get("expert adapter deltas", 0.0), accelerator.name
 

@@ -326,7 +326,7 @@ def doctor_estimate(cfg: Config, config, accelerator: Accelerator) -> float | No
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     traits = engine_traits("single", cfg.parallel, cfg.train)
-    result = estimate(cfg, skeleton, traits, 1, accelerator)
+    result = estimate(cfg, skeleton, traits, 1, accelerator, find_moe(skeleton))
     return result.tokens_per_step / result.step_s if result.step_s else None
 
 

@@ -201,6 +201,22 @@ def single_engine(model):
     return SingleEngine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
 
 
+def trainable(model, cfg, gradient_checkpointing: bool):
+    """`make_trainable` with the MoE map of `model` itself (a base nothing has wrapped yet)."""
+    from tuneforge.model.adapters import make_trainable
+    from tuneforge.model.moe import find_moe
+
+    return make_trainable(model, cfg, gradient_checkpointing, find_moe(model))
+
+
+def with_lora(model, settings):
+    """`apply_lora` with the MoE map of `model` itself."""
+    from tuneforge.model.adapters import apply_lora
+    from tuneforge.model.moe import find_moe
+
+    return apply_lora(model, settings, find_moe(model))
+
+
 def accumulate(engine, batches, precision: str = "fp32", balance=None):
     """One step's gradients through `engine` with the SFT objective, as the training loop builds it."""
     from tuneforge.train.loop import accumulate_gradients

@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.model.adapters import make_trainable
+from tuneforge.model.moe import find_moe
 from tuneforge.train.checkpoint import write_model_files
 from tuneforge.trained import load_trained
 
-from conftest import REPO, tiny_deepseek_v2, tiny_llama, tiny_qwen3_moe
+from conftest import REPO, tiny_deepseek_v2, tiny_llama, tiny_qwen3_moe, trainable
 
 LEGACY = REPO / "tests" / "assets" / "modeling_legacy_moe.py"
 
@@ -55,7 +56,9 @@ def test_peft_loads_the_saved_adapter_with_the_trained_logits(tokenizer, tmp_pat
     if remote:
         shutil.copy(LEGACY, tmp_path / "base" / LEGACY.name)
     settings = LoraSettings(r=4, alpha=8, dropout=0.0, experts=experts)
-    model, _ = make_trainable(base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    model, _ = make_trainable(
+        base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False, find_moe(base)
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a trained adapter, not the no-op PEFT starts from
         for name, param in model.named_parameters():
@@ -88,7 +91,7 @@ def test_peft_loads_the_saved_adapter_with_the_trained_logits(tokenizer, tmp_pat
 
 def test_dora_adapters_peft_would_misread_are_left_as_trained_with_a_warning(tokenizer, tmp_path):
     settings = LoraSettings(r=4, alpha=8, dropout=0.0, use_dora=True)
-    model, _ = make_trainable(
+    model, _ = trainable(
         tiny_deepseek_v2(tokenizer), ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False
     )
     note = write_model_files(model, tokenizer, tmp_path, {})

@@ -50,9 +50,10 @@ def config(**sections) -> Config:
     return Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}, **sections})
 
 
-def estimate(cfg: Config, model, engine: str, *args, **kwargs):
-    """The estimate for the named engine's traits under `cfg`, as the doctor asks for it."""
-    return estimate_for_traits(cfg, model, engine_traits(engine, cfg.parallel, cfg.train), *args, **kwargs)
+def estimate(cfg: Config, model, engine: str, world_size: int, accelerator, **kwargs):
+    """The estimate for the named engine's traits under `cfg`, with the model's MoE map, as the doctor asks."""
+    traits = engine_traits(engine, cfg.parallel, cfg.train)
+    return estimate_for_traits(cfg, model, traits, world_size, accelerator, find_moe(model), **kwargs)
 
 
 def check_single(cfg: Config, model, accelerator):

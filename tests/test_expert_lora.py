@@ -29,7 +29,9 @@ def adapted(build, tokenizer, **lora):
     for block in find_moe(base):
         base.get_submodule(block.experts_path).register_forward_pre_hook(lambda *_: calls.append(1))
     settings = LoraSettings(**{"r": 4, "alpha": 8, "dropout": 0.0, "experts": True, **lora})
-    model, notes = make_trainable(base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    model, notes = make_trainable(
+        base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False, find_moe(base)
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():

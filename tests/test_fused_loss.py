@@ -9,12 +9,11 @@ import torch.nn.functional as F
 from tuneforge.config.schema import LoraSettings
 from tuneforge.data.batching import collate
 from tuneforge.data.templates import IGNORE_INDEX
-from tuneforge.model.adapters import apply_lora
 from tuneforge.objective import fused_loss
 from tuneforge.objective.forward import fused_output_layer
 from tuneforge.objective.fused_loss import linear_cross_entropy_sum
 
-from conftest import chat, loss_sum, tiny_deepseek_v2, tiny_llama, tokenized
+from conftest import chat, loss_sum, tiny_deepseek_v2, tiny_llama, tokenized, with_lora
 
 
 def reference(model, batch) -> torch.Tensor:
@@ -60,7 +59,7 @@ def test_fused_loss_and_gradients_equal_the_logits_path(tokenizer, batch, make, 
 
 
 def test_a_frozen_output_layer_gets_no_gradient_and_lora_still_trains(tokenizer, batch):
-    model, _ = apply_lora(tiny_llama(tokenizer), LoraSettings(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"]))
+    model, _ = with_lora(tiny_llama(tokenizer), LoraSettings(r=4, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"]))
     assert fused_output_layer(model) is not None and not fused_output_layer(model).weight.requires_grad
     expected = reference(model, batch)
     expected.backward()
@@ -74,7 +73,7 @@ def test_a_frozen_output_layer_gets_no_gradient_and_lora_still_trains(tokenizer,
 
 def test_a_wrapped_output_layer_takes_the_standard_path(tokenizer):
     settings = LoraSettings(r=4, alpha=8, targets=["q_proj"], modules_to_save=["lm_head"])
-    model, _ = apply_lora(tiny_llama(tokenizer), settings)
+    model, _ = with_lora(tiny_llama(tokenizer), settings)
     assert fused_output_layer(model) is None
 
 

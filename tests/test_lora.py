@@ -11,8 +11,19 @@ from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.engines.single import SingleEngine
 from tuneforge.errors import UserError
 from tuneforge.model.adapters import make_trainable, resolve_lora_targets
+from tuneforge.model.moe import find_moe
 
-from conftest import REPO, accumulate, chat, rows_batch, tiny_deepseek_v2, tiny_llama, tiny_mixtral, tokenized
+from conftest import (
+    REPO,
+    accumulate,
+    chat,
+    rows_batch,
+    tiny_deepseek_v2,
+    tiny_llama,
+    tiny_mixtral,
+    tokenized,
+    trainable,
+)
 
 
 def lora_model_config(**lora) -> ModelConfig:
@@ -30,7 +41,7 @@ def train_steps(model, tokenizer, steps: int = 3) -> None:
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_deepseek_v2], ids=["llama", "deepseek_v2"])
 def test_only_adapters_change_and_the_base_stays_bitwise_frozen(tokenizer, build):
-    model, notes = make_trainable(build(tokenizer), lora_model_config(r=4, alpha=8, dropout=0.0), False)
+    model, notes = trainable(build(tokenizer), lora_model_config(r=4, alpha=8, dropout=0.0), False)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     train_steps(model, tokenizer)
     adapters = [name for name in before if "lora_" in name]
@@ -44,7 +55,7 @@ def test_only_adapters_change_and_the_base_stays_bitwise_frozen(tokenizer, build
 
 def test_all_linear_leaves_out_head_routers_and_routed_experts(tokenizer):
     model = tiny_deepseek_v2(tokenizer)
-    targets = resolve_lora_targets(model, LoraSettings())
+    targets = resolve_lora_targets(model, LoraSettings(), find_moe(model))
     assert "lm_head" not in targets.modules
     assert not any(".experts" in name or "gate.weight" in name for name in targets.modules)
     kinds = {name.rsplit(".", 1)[-1] for name in targets.modules}
@@ -59,28 +70,28 @@ def test_all_linear_leaves_out_head_routers_and_routed_experts(tokenizer):
 def test_the_peft_model_has_no_expert_adapters_unless_asked(tokenizer, build):
     """PEFT retargets `*.down_proj` onto fused experts for transformers-5 MoE models; `experts: false` must hold
     in the model PEFT builds, not only in the targets we resolve."""
-    model, _ = make_trainable(build(tokenizer), lora_model_config(dropout=0.1), False)
+    model, _ = trainable(build(tokenizer), lora_model_config(dropout=0.1), False)
     adapted = [name for name, p in model.named_parameters() if p.requires_grad]
     assert adapted and not any(".experts." in name for name in adapted), adapted
     assert model.base_model.model.config.model_type == build(tokenizer).config.model_type  # restored
-    model, _ = make_trainable(build(tokenizer), lora_model_config(dropout=0.0, experts=True), False)
+    model, _ = trainable(build(tokenizer), lora_model_config(dropout=0.0, experts=True), False)
     assert any(".experts." in name for name, p in model.named_parameters() if p.requires_grad)
 
 
 def test_explicit_names_and_regex_targets(tokenizer):
     model = tiny_llama(tokenizer)
-    names = resolve_lora_targets(model, LoraSettings(targets=["q_proj", "v_proj"]))
+    names = resolve_lora_targets(model, LoraSettings(targets=["q_proj", "v_proj"]), find_moe(model))
     assert sorted(n.rsplit(".", 1)[-1] for n in names.modules) == ["q_proj", "q_proj", "v_proj", "v_proj"]
-    regex = resolve_lora_targets(model, LoraSettings(targets=r"model\.layers\.1\..*_proj"))
+    regex = resolve_lora_targets(model, LoraSettings(targets=r"model\.layers\.1\..*_proj"), find_moe(model))
     assert regex.modules and all(n.startswith("model.layers.1.") for n in regex.modules)
     with pytest.raises(UserError, match="matches no linear layer"):
-        resolve_lora_targets(model, LoraSettings(targets=["lm_head"]))
+        resolve_lora_targets(model, LoraSettings(targets=["lm_head"]), find_moe(model))
 
 
 def test_lora_on_stacked_experts_trains_when_switched_on(tokenizer):
     model = tiny_deepseek_v2(tokenizer)
     settings = {"r": 4, "alpha": 8, "dropout": 0.0, "experts": True}
-    model, notes = make_trainable(model, lora_model_config(**settings), False)
+    model, notes = make_trainable(model, lora_model_config(**settings), False, find_moe(model))
     assert "experts.gate_up_proj x1" in notes[-1] and "experts.down_proj x1" in notes[-1]
     expert_adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n and "lora" in n}
     assert expert_adapters
@@ -97,15 +108,15 @@ def test_lora_on_expert_lists_is_opt_in(tokenizer):
     spec.loader.exec_module(legacy)
     config = legacy.LegacyMoEConfig(vocab_size=len(tokenizer), num_experts=4, experts_per_token=1)
     model = legacy.LegacyMoEForCausalLM(config)
-    off = resolve_lora_targets(model, LoraSettings())
-    on = resolve_lora_targets(model, LoraSettings(experts=True))
+    off = resolve_lora_targets(model, LoraSettings(), find_moe(model))
+    on = resolve_lora_targets(model, LoraSettings(experts=True), find_moe(model))
     assert not any(".experts." in n for n in off.modules) and off.skipped_experts > 0
     assert len([n for n in on.modules if ".experts." in n]) == off.skipped_experts
 
 
 def test_freeze_patterns_keep_matching_weights_and_train_the_rest(tokenizer):
     cfg = ModelConfig(architecture="llama", tokenizer="bytes", freeze=["embed_tokens", r"layers\.0\."])
-    model, notes = make_trainable(tiny_llama(tokenizer), cfg, False)
+    model, notes = trainable(tiny_llama(tokenizer), cfg, False)
     assert notes == ["freeze: 10 parameter tensors frozen by model.freeze"]
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     train_steps(model, tokenizer)
@@ -117,7 +128,7 @@ def test_freeze_patterns_keep_matching_weights_and_train_the_rest(tokenizer):
 def test_freeze_that_matches_nothing_is_a_clear_error(tokenizer):
     cfg = ModelConfig(architecture="llama", tokenizer="bytes", freeze=["embeddings"])
     with pytest.raises(UserError, match="matches no parameter name"):
-        make_trainable(tiny_llama(tokenizer), cfg, False)
+        trainable(tiny_llama(tokenizer), cfg, False)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
@@ -125,7 +136,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
     batch = rows_batch(data, [0, 1], tokenizer.pad_token_id)
     grads = []
     for checkpointing in (False, True):
-        model, _ = make_trainable(tiny_llama(tokenizer), lora_model_config(dropout=0.0), checkpointing)
+        model, _ = trainable(tiny_llama(tokenizer), lora_model_config(dropout=0.0), checkpointing)
         model.train()
         accumulate(SingleEngine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.0)), [batch], "fp32")
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
@@ -135,8 +146,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
 
 
 def test_dora_and_rslora_switches_reach_peft(tokenizer):
-    model, _ = make_trainable(tiny_llama(tokenizer), lora_model_config(r=4, alpha=8, use_dora=True), False)
+    model, _ = trainable(tiny_llama(tokenizer), lora_model_config(r=4, alpha=8, use_dora=True), False)
     assert any("lora_magnitude_vector" in name for name, _ in model.named_parameters())
-    model, _ = make_trainable(tiny_llama(tokenizer), lora_model_config(r=4, alpha=8, use_rslora=True), False)
+    model, _ = trainable(tiny_llama(tokenizer), lora_model_config(r=4, alpha=8, use_rslora=True), False)
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     assert q_proj.scaling["default"] == pytest.approx(8 / 2)  # alpha / sqrt(r), not alpha / r

@@ -16,12 +16,11 @@ from tuneforge.data.pairs import pair_conversations
 from tuneforge.data.pipeline import build_split
 from tuneforge.data.templates import IGNORE_INDEX, get_template
 from tuneforge.errors import UserError
-from tuneforge.model.adapters import apply_lora
 from tuneforge.objective.log_probs import linear_target_log_probs
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.objectives import build_objective
 
-from conftest import TINY_LLAMA, TUNEFORGE, chat, launch, single_engine, tiny_llama, write_jsonl
+from conftest import TINY_LLAMA, TUNEFORGE, chat, launch, single_engine, tiny_llama, with_lora, write_jsonl
 
 LOSS_TYPES = ["sigmoid", "robust", "hinge", "ipo", "sppo_hard", "nca_pair"]
 
@@ -43,7 +42,7 @@ def pair_data(tmp_path, tokenizer, rows: list[dict]):
 
 def lora_model(tokenizer, seed: int = 0):
     """A tiny Llama with LoRA adapters whose B factors are not zero, so the policy differs from the reference."""
-    model, _ = apply_lora(tiny_llama(tokenizer, seed=seed), LoraSettings(r=4, alpha=8, dropout=0.0))
+    model, _ = with_lora(tiny_llama(tokenizer, seed=seed), LoraSettings(r=4, alpha=8, dropout=0.0))
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -15,6 +15,7 @@ from tuneforge.errors import UserError
 from tuneforge.export import export
 from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import build_model
+from tuneforge.model.moe import find_moe
 from tuneforge.train.checkpoint import save_checkpoint
 from tuneforge.train.run import run_training
 from tuneforge.trained import load_trained
@@ -78,7 +79,7 @@ def trained_lora_checkpoint(tmp_path, tokenizer, quantization: dict | None):
 
     cfg = model_config("llama", {**LLAMA, "initializer_range": 0.02}, quantization)  # logits of order 1
     model = build_model(cfg, tokenizer, seed=0, base_dir=tmp_path / "base")
-    model, _ = make_trainable(model, cfg, gradient_checkpointing=False)
+    model, _ = make_trainable(model, cfg, False, find_moe(model))
     data = tokenized(tokenizer, [chat(f"question {i}", f"answer {i * 3}") for i in range(4)])
     batch = rows_batch(data, [0, 1, 2, 3], tokenizer.pad_token_id)
     engine = SingleEngine(model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]))
@@ -149,7 +150,7 @@ def test_8bit_base_weights_train_lora(tmp_path, tokenizer):
     cfg = model_config("llama", LLAMA, {"bits": 8})
     model = build_model(cfg, tokenizer, seed=0, base_dir=tmp_path / "base")
     assert isinstance(model.model.layers[0].self_attn.q_proj, Linear8bitLt)
-    model, notes = make_trainable(model, cfg, gradient_checkpointing=False)
+    model, notes = make_trainable(model, cfg, False, find_moe(model))
     assert "quantization: base weights 8-bit" in notes[0]
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     from tuneforge.engines.single import SingleEngine

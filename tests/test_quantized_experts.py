@@ -131,7 +131,7 @@ def test_grouped_adapters_on_4bit_experts_equal_adapters_on_the_dequantized_expe
     cfg = ModelConfig(architecture="llama", tokenizer="bytes", lora=settings)
     results = []
     for base in (model, reference):
-        peft_model, notes = make_trainable(base, cfg, False)
+        peft_model, notes = make_trainable(base, cfg, False, find_moe(base))
         assert notes[-1].endswith("; stacked experts as grouped low-rank products")
         set_adapters(peft_model)
         ids = torch.randint(3, len(tokenizer), (2, 19), generator=torch.Generator().manual_seed(2))
@@ -159,7 +159,7 @@ def test_activation_checkpointing_recomputes_4bit_experts_to_the_same_gradients(
         for experts in experts_modules(model):
             for name in stacked_weight_names(experts):
                 experts.parametrizations[name][0].register_forward_hook(lambda *_, seen=calls: seen.append(1))
-        peft_model, _ = make_trainable(model, cfg, checkpointing)
+        peft_model, _ = make_trainable(model, cfg, checkpointing, find_moe(model))
         set_adapters(peft_model)
         peft_model.train()(input_ids=ids).logits.pow(2).mean().backward()
         grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad})
@@ -177,7 +177,9 @@ def test_adapter_trained_on_4bit_experts_loads_in_plain_peft_on_the_dequantized_
     model, reference, _ = quantized(tiny_deepseek_v2, tokenizer)
     reference.save_pretrained(tmp_path / "base")
     settings = LoraSettings(r=4, alpha=8, dropout=0.0, experts=True)
-    peft_model, _ = make_trainable(model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    peft_model, _ = make_trainable(
+        model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False, find_moe(model)
+    )
     set_adapters(peft_model)
     ids = torch.randint(3, len(tokenizer), (2, 19), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -247,7 +249,9 @@ def test_peft_form_on_4bit_experts_is_refused_with_the_fix(tokenizer):
     model, _, _ = quantized(tiny_mixtral, tokenizer)
     settings = LoraSettings(r=4, alpha=8, dropout=0.0, experts=True, grouped_experts=False)
     with pytest.raises(UserError) as error:
-        make_trainable(model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+        make_trainable(
+            model, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False, find_moe(model)
+        )
     assert "are stored in 4 bits" in str(error.value)
     assert "model.lora.grouped_experts: true" in str(error.value) and "skip_modules: [experts]" in str(error.value)
 

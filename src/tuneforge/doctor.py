@@ -405,7 +405,7 @@ def check_estimate(
         )
         return [Check("memory estimate", PASS, f"skipped: {why}")]
     try:
-        est = estimate(cfg, skeleton, traits, world_size, accelerator, gpus_per_node, num_samples, moe)
+        est = estimate(cfg, skeleton, traits, world_size, accelerator, moe, gpus_per_node, num_samples)
     except UserError as exc:  # a config problem that training reports on its own
         return [Check("memory estimate", PASS, f"skipped: {exc}")]
     report = format_estimate(est)
@@ -422,7 +422,7 @@ def check_estimate(
             staged = quantization.model_copy(update={"stage_experts": "host"})
             alternative = cfg.model_copy(update={"model": cfg.model.model_copy(update={"quantization": staged})})
             staged_est = estimate(
-                alternative, skeleton, traits, world_size, accelerator, gpus_per_node, num_samples, moe
+                alternative, skeleton, traits, world_size, accelerator, moe, gpus_per_node, num_samples
             )
             staged_fits = staged_est.fits and staged_est.load_gpu < est.load_gpu  # a model with stacked experts
         fix = _memory_fix(cfg, traits, est, staged_fits)
@@ -439,7 +439,7 @@ def check_estimate(
     if host > times["compute"]:
         detail += f"; {host:.1f} s of it on the host (offload)"
         alternative = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"cpu_offload": "none"})})
-        lean = estimate(alternative, skeleton, traits, world_size, accelerator, gpus_per_node, num_samples, moe)
+        lean = estimate(alternative, skeleton, traits, world_size, accelerator, moe, gpus_per_node, num_samples)
         if lean.fits:
             fixes.append(
                 f"parallel.cpu_offload=none fits too ({lean.gpu_bytes / GIB:.1f} GiB per GPU, "

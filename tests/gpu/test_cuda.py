@@ -152,12 +152,15 @@ def expert_adapted(tokenizer, grouped: bool):
     """A bf16 Qwen3-MoE on CUDA, adapters on its stacked experts (r=16: grouped_mm's alignment holds)."""
     from tuneforge.config.schema import LoraSettings, ModelConfig
     from tuneforge.model.adapters import make_trainable
+    from tuneforge.model.moe import find_moe
 
     from conftest import tiny_qwen3_moe
 
     settings = LoraSettings(r=16, alpha=32, dropout=0.0, experts=True, grouped_experts=grouped)
     base = tiny_qwen3_moe(tokenizer).to(CUDA, torch.bfloat16)
-    model, _ = make_trainable(base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    model, _ = make_trainable(
+        base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False, find_moe(base)
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -23,7 +23,7 @@ from tuneforge.estimate.memory import memory_use
 from tuneforge.estimate.report import Estimate, assumptions, format_estimate
 from tuneforge.estimate.shapes import model_shapes
 from tuneforge.estimate.timing import step_times
-from tuneforge.model.moe import MoEMap, find_moe
+from tuneforge.model.moe import MoEMap
 from tuneforge.model.quantize import kbit_bytes
 
 
@@ -33,13 +33,12 @@ def estimate(
     traits: EngineTraits,
     world_size: int,
     accelerator: Accelerator,
+    moe: MoEMap,
     gpus_per_node: int | None = None,
     num_samples: int | None = None,
-    moe: MoEMap | None = None,
 ) -> Estimate:
     """Memory per GPU (and host RAM per node) and time per optimizer step for `cfg` on `world_size` ranks of
-    the engine with `traits`. `moe`: the skeleton's MoE map (found on it when not given)."""
-    moe = moe if moe is not None else find_moe(skeleton)
+    the engine with `traits`. `moe`: the skeleton's MoE map."""
     par, train, quantization = cfg.parallel, cfg.train, cfg.model.quantization
     per_node = min(gpus_per_node or world_size, world_size)
     compute_bytes = 2 if train.precision in ("bf16", "fp16") else 4

@@ -19,7 +19,7 @@ from torch import nn
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.errors import UserError
 from tuneforge.model.expert_lora import grouped_layers
-from tuneforge.model.moe import MoEMap, find_moe
+from tuneforge.model.moe import MoEMap
 from tuneforge.model.quantize import matches_module_name
 from tuneforge.model.quantized_experts import plain_for_peft, quantized_experts_count
 
@@ -51,9 +51,8 @@ def _matches(name: str, targets: str | list[str]) -> bool:
     return matches_module_name(name, targets)
 
 
-def resolve_lora_targets(model: nn.Module, settings: LoraSettings, moe: MoEMap | None = None) -> LoraTargets:
-    """Targets on the base model `model`, whose MoE map is `moe` (found on it when not given)."""
-    moe = moe if moe is not None else find_moe(model)
+def resolve_lora_targets(model: nn.Module, settings: LoraSettings, moe: MoEMap) -> LoraTargets:
+    """Targets on the base model `model`, whose MoE map is `moe` (the run's, found before anything wrapped it)."""
     routers = {id(router) for router in moe.routers()}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
@@ -158,7 +157,7 @@ def grouped_expert_layers(
     return layers, note
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap | None = None) -> tuple[nn.Module, str]:
+def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap) -> tuple[nn.Module, str]:
     """The PEFT model with adapters on the resolved targets, and a line saying where they went."""
     from peft import LoraConfig, get_peft_model
 
@@ -207,11 +206,10 @@ def freeze_parameters(model: nn.Module, patterns: list[str]) -> str:
 
 
 def make_trainable(
-    model: nn.Module, cfg: ModelConfig, gradient_checkpointing: bool, moe: MoEMap | None = None
+    model: nn.Module, cfg: ModelConfig, gradient_checkpointing: bool, moe: MoEMap
 ) -> tuple[nn.Module, list[str]]:
     """k-bit preparation, activation checkpointing, then adapters or freezing; lines saying what was done.
-    `moe`: the base model's MoE map (found on `model` before anything wraps it when not given)."""
-    moe = moe if moe is not None else find_moe(model)
+    `moe`: the base model's MoE map, found on `model` before anything wraps it."""
     notes = []
     checkpointing = {"use_reentrant": False}  # the non-reentrant form needs no input gradients and nests safely
     if cfg.quantization is not None:
