@@ -1,0 +1,137 @@
+"""xtuner's `model = dict(...)`: the language model, its quantization and adapters, and DPO's or ORPO's own
+settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tuneforge.xtuner.evaluate import Call
+from tuneforge.xtuner.mapper_base import MapperBase, dtype_name
+
+PREFERENCE_MODELS = {"DPO": "dpo", "ORPO": "orpo"}
+"""xtuner's preference wrappers and the `train.objective` that trains the same loss."""
+REFUSED_MODELS = {
+    "LLaVAModel": "vision-language training (image encoder and projector); tuneforge fine-tunes text-only models",
+    "InternVL_V1_5": "vision-language training (image encoder and projector); tuneforge fine-tunes text-only models",
+    "RewardModel": "reward-model training; tuneforge trains causal LMs (SFT, DPO, ORPO), not scalar heads yet",
+}
+"""xtuner model wrappers whose training tuneforge does not do: the whole config is refused, with this reason."""
+
+
+class ModelMapping(MapperBase):
+    def map_model(self, model: Call, tokenizer: Any) -> None:
+        out = self.section("model")
+        llm = self.take(model, "llm")
+        if isinstance(llm, Call):
+            path = self.take(llm, "pretrained_model_name_or_path")
+            # A local directory is resolved from where xtuner would have been started; a hub id stays as is.
+            out["path"] = str(Path(path).resolve()) if isinstance(path, str) and Path(path).is_dir() else path
+            out["trust_remote_code"] = bool(self.take(llm, "trust_remote_code"))
+            dtype = dtype_name(self.take(llm, "torch_dtype"))
+            if dtype == "float16":
+                self.result.notes.append(
+                    "torch_dtype float16 -> model.dtype bfloat16: tuneforge trains in bf16 (same memory as fp16, no "
+                    "loss scaling); DeepSeek-V2 and most current models were trained in bf16"
+                )
+                dtype = "bfloat16"
+            if dtype:
+                out["dtype"] = dtype
+            quantization = self.take(llm, "quantization_config")
+            if isinstance(quantization, Call):
+                out["quantization"] = self.map_quantization(quantization)
+            self.leftovers(llm, "model.llm")
+        lora = self.take(model, "lora")
+        if isinstance(lora, Call):
+            out["lora"] = self.map_lora(lora)
+        checkpointing = self.take(model, "use_activation_checkpointing")
+        self.section("train")["gradient_checkpointing"] = checkpointing is None or bool(checkpointing)
+        if checkpointing is None:
+            self.result.notes.append(
+                "use_activation_checkpointing not set -> train.gradient_checkpointing: true (xtuner's default)"
+            )
+        if self.take(model, "use_varlen_attn"):
+            self.result.notes.append("use_varlen_attn: packed samples are isolated in attention on every backend")
+        self.leftovers(model, "model")
+        if isinstance(tokenizer, Call):
+            source = self.take(tokenizer, "pretrained_model_name_or_path")
+            if source and source != out.get("path"):
+                out["tokenizer"] = source
+            self.take(tokenizer, "trust_remote_code")
+            self.leftovers(tokenizer, "tokenizer")
+
+    def map_preference(self, model: Call, objective: str) -> None:
+        """DPO's and ORPO's own settings; the language model and its adapters are mapped as for SFT."""
+        self.section("train")["objective"] = objective
+        preference = self.section("preference")
+        beta = self.number(model, "beta", "model")
+        if objective == "orpo":
+            if beta is not None:
+                preference["lambda"] = beta  # xtuner's ORPO calls the odds-ratio weight beta
+            return
+        if beta is not None:
+            preference["beta"] = beta
+        loss_type = self.take(model, "loss_type")
+        if loss_type == "kto_pair":
+            self.unmapped(
+                self.line(model, "loss_type"),
+                "loss_type = 'kto_pair'",
+                "its KL term is a mean over the whole batch, which accumulation and several ranks cannot reproduce; "
+                "pick another preference.loss_type",
+            )
+        elif loss_type is not None:
+            preference["loss_type"] = loss_type
+        if (smoothing := self.number(model, "label_smoothing", "model")) is not None:
+            preference["label_smoothing"] = smoothing
+        lora = isinstance(model.get("lora"), Call)
+        if self.take(model, "ref_llm") is not None or not lora:
+            how = "the base with the adapters disabled" if lora else "precomputed once, before training"
+            self.result.notes.append(f"DPO reference (xtuner: a copy of the model) -> {how}; no second model held")
+
+    def map_quantization(self, call: Call) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.take(call, "load_in_8bit") and not call.get("load_in_4bit"):
+            out["bits"] = 8
+        elif self.take(call, "load_in_4bit"):
+            out["bits"] = 4
+        if (quant_type := self.take(call, "bnb_4bit_quant_type")) is not None:
+            out["quant_type"] = quant_type
+        if (double := self.take(call, "bnb_4bit_use_double_quant")) is not None:
+            out["double_quant"] = bool(double)
+        compute = dtype_name(self.take(call, "bnb_4bit_compute_dtype"))
+        if compute == "float16":
+            self.result.notes.append("bnb_4bit_compute_dtype float16 -> bfloat16, as for the weights")
+            compute = "bfloat16"
+        if compute:
+            out["compute_dtype"] = compute
+        if call.get("llm_int8_threshold", 6.0) != 6.0 or call.get("llm_int8_has_fp16_weight", False):
+            self.unmapped(call.line, "llm_int8_threshold / llm_int8_has_fp16_weight", "only the defaults are supported")
+        self.leftovers(call, "quantization_config")
+        return out
+
+    def map_lora(self, call: Call) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for source, target in (("r", "r"), ("lora_alpha", "alpha"), ("lora_dropout", "dropout")):
+            if (value := self.take(call, source)) is not None:
+                out[target] = value
+        if (targets := self.take(call, "target_modules")) is not None:
+            out["targets"] = targets if targets != "all-linear" else "all-linear"
+        else:
+            # xtuner then adapts every linear layer but the output head, the routed experts of MoE models included.
+            out["targets"], out["experts"] = "all-linear", True
+            self.result.notes.append(
+                "LoraConfig without target_modules -> model.lora.targets: all-linear, experts: true (as xtuner)"
+            )
+        bias = self.take(call, "bias")
+        if bias not in (None, "none"):
+            self.unmapped(self.line(call, "bias"), f"lora.bias = {bias!r}", "tuneforge trains no biases with LoRA")
+        if (use_dora := self.take(call, "use_dora")) is not None:
+            out["use_dora"] = bool(use_dora)
+        if (use_rslora := self.take(call, "use_rslora")) is not None:
+            out["use_rslora"] = bool(use_rslora)
+        if (modules := self.take(call, "modules_to_save")) is not None:
+            fix = "set model.lora.modules_to_save"
+            if names := self.strings(modules, self.line(call, "modules_to_save"), "lora.modules_to_save", fix):
+                out["modules_to_save"] = names
+        self.leftovers(call, "lora")
+        return out
