@@ -211,7 +211,7 @@ def test_a_metrics_write_on_a_full_disk_warns_once_and_training_goes_on(capsys):
 
 
 def test_a_resume_drops_a_metrics_line_cut_off_by_a_crash(tmp_path):
-    from tuneforge.train.run import truncate_log
+    from tuneforge.train.resume import truncate_log
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo\n{"step": 4}\n')

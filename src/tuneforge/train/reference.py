@@ -13,12 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from tuneforge.config.schema import Config
+from tuneforge.data.batching import MicroBatch
+from tuneforge.data.pipeline import PreparedData
 from tuneforge.data.tokenize import TokenizedData
 from tuneforge.distributed import Layout
 from tuneforge.engines import Engine
@@ -27,6 +31,7 @@ from tuneforge.model.transfer import to_device
 from tuneforge.objective import TokenForward
 from tuneforge.objective.preference import answer_log_probs, answer_of_targets
 from tuneforge.train.validate import validation_batches
+from tuneforge.watchdog import StallWatchdog
 
 REFERENCE_DIR = "reference"
 
@@ -102,3 +107,43 @@ def reference_log_probs(
         save_file({"log_probs": table.contiguous()}, str(tmp))
         tmp.replace(path)
     return table
+
+
+def reference_tables(
+    cfg: Config,
+    engine: Engine,
+    data: PreparedData,
+    validation: list[MicroBatch] | None,
+    pad_id: int,
+    layout: Layout,
+    work_dir: Path,
+    watchdog: StallWatchdog,
+) -> Callable[..., torch.Tensor]:
+    """DPO's precomputed reference, as one table: the train split's answers, then the validation split's (whose
+    batches' sample indices are moved past the train split's to look them up)."""
+    identity = {"model": cfg.model.model_dump(mode="json"), "precision": cfg.train.precision, "seed": cfg.train.seed}
+    splits = [("train", data.train.data)]
+    if validation is not None and data.validation is not None:
+        splits.append(("validation", data.validation.data))
+        for batch in validation:
+            batch.sample_indices = [i + len(data.train.data) for i in batch.sample_indices]
+
+    def tables(forward: TokenForward, say: Callable[[str], None], is_main: bool) -> torch.Tensor:
+        found = []
+        for name, split in splits:
+            compute = partial(
+                compute_reference,
+                engine,
+                forward,
+                split,
+                cfg.train.micro_batch_size,
+                pad_id,
+                layout,
+                cfg.data.max_length,
+                lambda: watchdog.beat("model", training=False),
+            )
+            key = reference_key(split, identity)
+            found.append(reference_log_probs(work_dir, name, key, len(split), compute, is_main, say))
+        return torch.cat(found)
+
+    return tables

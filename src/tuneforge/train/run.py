@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import shlex
 import shutil
@@ -23,8 +22,8 @@ from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.distributed import DistInfo, Layout, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
-from tuneforge.engines import Engine, EngineTraits, build_engine, choose_engine, engine_traits
-from tuneforge.errors import UserError, first_line
+from tuneforge.engines import EngineTraits, build_engine, choose_engine, engine_traits
+from tuneforge.errors import UserError
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model import packed_attention
 from tuneforge.model.adapters import make_trainable
@@ -32,11 +31,8 @@ from tuneforge.model.build import DTYPES, build_model, build_tokenizer, count_pa
 from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.model.flops import model_flops_per_token
 from tuneforge.model.moe import MoEMap, find_moe
-from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
-from tuneforge.objective import TokenForward
-from tuneforge.train.checkpoint import step_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.faults import FaultInjector, injected_fault
 from tuneforge.train.inputs import check_inputs, checkpoint_bytes, disk_room_problems
@@ -45,17 +41,14 @@ from tuneforge.train.objectives import build_objective
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
-from tuneforge.train.reference import compute_reference, reference_key, reference_log_probs
+from tuneforge.train.reference import reference_tables
+from tuneforge.train.resume import resume_from
 from tuneforge.train.sinks import require_packages
 from tuneforge.train.state import (
-    TRAINING_STATE,
-    ResumePoint,
     check_compatible,
-    check_same_expert_storage,
     check_same_quantization,
     data_changed_note,
     find_resume,
-    load_rng,
     read_state,
 )
 from tuneforge.train.validate import validation_batches
@@ -183,50 +176,6 @@ def _locked_run(
         watchdog.stop()
         if info.distributed:
             torch.distributed.destroy_process_group()
-
-
-def resume_from(
-    checkpoint: Path, engine: Engine, trainer: Trainer, cfg: Config, info: DistInfo, work_dir: Path
-) -> ResumePoint:
-    """Model, optimizer, RNG and data position of `checkpoint` (checked compatible before the run began); logs
-    cut back to its step."""
-    point = read_state(checkpoint)
-    if point.step >= trainer.total_steps:
-        raise UserError(f"--resume {checkpoint}: step {point.step} is already the last of {trainer.total_steps}")
-    check_same_expert_storage(checkpoint, quantized_experts_count(engine.unwrapped))
-    try:
-        engine.load_state(checkpoint / TRAINING_STATE)
-    except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
-        reason = first_line(exc, 300)
-        older = [str(p) for s, p in step_checkpoints(checkpoint.parent) if s < point.step]
-        fallback = f"; an older one: --resume {older[-1]}" if older else ""
-        raise UserError(f"--resume {checkpoint}: its training state cannot be read ({reason}){fallback}") from None
-    if info.is_main:
-        for log in ("metrics.jsonl", "samples.jsonl"):
-            if dropped := truncate_log(work_dir / log, point.step):
-                print(f"resume: {dropped} unreadable line(s) of {work_dir / log} dropped (cut off by a crash)")
-    barrier(info)
-    load_rng(checkpoint / TRAINING_STATE, info.rank)  # last: building the model and engine drew random numbers
-    return point
-
-
-def truncate_log(path: Path, step: int) -> int:
-    """Keep the records of steps up to `step`: the resumed run writes the rest again. Lines that are not a
-    record (cut off by a crash or a full disk) are dropped; returns how many."""
-    if not path.exists():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line) if line.strip() else None
-        except ValueError:
-            record = None
-        if not isinstance(record, dict):
-            dropped += bool(line.strip())
-        elif record.get("step", 0) <= step:
-            kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    return dropped
 
 
 def setup(
@@ -389,46 +338,6 @@ def check_disk_room(cfg: Config, work_dir: Path, total: int, trainable: int, say
         raise UserError("\n".join(errors))
     for warning in warnings:
         say(warning)
-
-
-def reference_tables(
-    cfg: Config,
-    engine: Engine,
-    data: PreparedData,
-    validation: list[MicroBatch] | None,
-    pad_id: int,
-    layout: Layout,
-    work_dir: Path,
-    watchdog: StallWatchdog,
-) -> Callable[..., torch.Tensor]:
-    """DPO's precomputed reference, as one table: the train split's answers, then the validation split's (whose
-    batches' sample indices are moved past the train split's to look them up)."""
-    identity = {"model": cfg.model.model_dump(mode="json"), "precision": cfg.train.precision, "seed": cfg.train.seed}
-    splits = [("train", data.train.data)]
-    if validation is not None and data.validation is not None:
-        splits.append(("validation", data.validation.data))
-        for batch in validation:
-            batch.sample_indices = [i + len(data.train.data) for i in batch.sample_indices]
-
-    def tables(forward: TokenForward, say: Say, is_main: bool) -> torch.Tensor:
-        found = []
-        for name, split in splits:
-            compute = partial(
-                compute_reference,
-                engine,
-                forward,
-                split,
-                cfg.train.micro_batch_size,
-                pad_id,
-                layout,
-                cfg.data.max_length,
-                lambda: watchdog.beat("model", training=False),
-            )
-            key = reference_key(split, identity)
-            found.append(reference_log_probs(work_dir, name, key, len(split), compute, is_main, say))
-        return torch.cat(found)
-
-    return tables
 
 
 def validation_split(cfg: Config, data: PreparedData, tokenizer, layout: Layout) -> list[MicroBatch] | None:
