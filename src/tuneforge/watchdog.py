@@ -29,10 +29,10 @@ import statistics
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from pathlib import Path
 
+from tuneforge.config.schema import WatchdogConfig
 from tuneforge.diagnostics.files import (
     HEARTBEAT_EVERY_S,
     SLOW_PHASES,
@@ -43,6 +43,7 @@ from tuneforge.diagnostics.files import (
     write_json,
 )
 from tuneforge.diagnostics.recorder import RECORDER, CollectiveRecorder
+from tuneforge.diagnostics.stacks import thread_stacks
 
 STALL_EXIT_CODE = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -52,36 +53,23 @@ every process, and torchrun forwards it to its workers again); a later one stops
 RECENT_COLLECTIVES = 32
 
 
-def exception_site(exc: BaseException) -> str:
-    """`file:line in function` of the innermost frame of an exception outside the collective recorder."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "diagnostics/recorder.py" not in f.filename]
-    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
-
-
-def thread_stacks(skip_current: bool = True) -> tuple[str, str]:
-    """(text of every thread's stack, `file:line in function` of the main thread's innermost frame outside
-    the collective recorder)."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    frames = sys._current_frames()
-    dump = []
-    for ident, frame in frames.items():
-        if skip_current and ident == threading.get_ident():
-            continue
-        dump.append(f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_stack(frame))}")
-    where = ""
-    main = frames.get(threading.main_thread().ident)
-    if main is not None:
-        stack = [f for f in traceback.extract_stack(main) if "tuneforge/diagnostics/recorder.py" not in f.filename]
-        # A main thread inside our SIGTERM handler: where it was is the frame below the handler.
-        while stack and (stack[-1].filename.endswith(("/threading.py", "tuneforge/watchdog.py"))):
-            stack.pop()
-        if stack:
-            last = stack[-1]
-            where = f"{last.filename}:{last.lineno} in {last.name}"
-    return "\n".join(dump), where
-
-
 class StallWatchdog:
+    @classmethod
+    def for_config(cls, settings: WatchdogConfig, diagnostics_dir: Path, rank: int, world_size: int) -> StallWatchdog:
+        """The watchdog `watchdog:` asks for, on this rank."""
+        return cls(
+            diagnostics_dir,
+            settings.startup_timeout_s,
+            settings.stall_timeout_s,
+            settings.enabled,
+            rank=rank,
+            world_size=world_size,
+            floor_s=settings.stall_floor_s,
+            step_multiple=settings.stall_step_multiple,
+            grace_s=settings.report_grace_s,
+            stop_grace_s=settings.stop_grace_s,
+        )
+
     def __init__(
         self,
         diagnostics_dir: Path,

@@ -20,6 +20,7 @@ from tuneforge.data.pipeline import PreparedData, prepare_data
 from tuneforge.data.report import format_report, nothing_trains
 from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.recorder import RECORDER
+from tuneforge.diagnostics.stacks import exception_site
 from tuneforge.distributed import DistInfo, Layout, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
 from tuneforge.engines import EngineTraits, build_engine, choose_engine, engine_traits
@@ -53,7 +54,7 @@ from tuneforge.train.state import (
 )
 from tuneforge.train.validate import validation_batches
 from tuneforge.train.workdir import recorded_run, release_lock, start_run, take_lock
-from tuneforge.watchdog import StallWatchdog, exception_site
+from tuneforge.watchdog import StallWatchdog
 
 Say = Callable[[str], None]
 """Prints on rank 0, does nothing on the others."""
@@ -100,6 +101,39 @@ def _locked_run(
     lock_note: str,
 ) -> dict:
     # Everything that can refuse the run is checked before this run writes a file.
+    resume_dir = checked_resume(cfg, work_dir, resume, info, engine_name, say)
+    run_id = record_run(cfg, work_dir, resume, archive_previous, info, say, lock_note)
+    say(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
+    chosen = " (parallel.engine=auto)" if cfg.parallel.engine == "auto" else ""
+    say(
+        f"engine: {engine_name}{chosen}, {info.world_size} process(es), device {info.device.type}, "
+        f"{torch.get_num_threads()} CPU threads each"
+    )
+    if info.distributed:
+        RECORDER.install()  # before any engine exists: DeepSpeed keeps references to the functions it uses
+    watchdog = StallWatchdog.for_config(cfg.watchdog, work_dir / "diagnostics", info.rank, info.world_size)
+    watchdog.start()
+    try:
+        parts = setup(cfg, work_dir, watchdog, info, engine_name, say, run_id)
+        return train_and_evaluate(parts, info, say, resume, resume_dir)
+    except (torch.distributed.DistError, RuntimeError) as exc:
+        if info.distributed and cfg.watchdog.enabled:
+            # A collective that failed (gloo/NCCL errors on mismatched calls) or a rank that failed on its own (out
+            # of memory) leaves the others waiting: the same diagnosis as a hang.
+            message = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+            watchdog.fail("error", message, exit_process=False, where=exception_site(exc))
+        raise
+    finally:
+        watchdog.stop()
+        if info.distributed:
+            torch.distributed.destroy_process_group()
+
+
+def checked_resume(
+    cfg: Config, work_dir: Path, resume: str | None, info: DistInfo, engine_name: str, say: Say
+) -> Path | None:
+    """The checkpoint to resume from (None: from the start), checked against this run's settings before the
+    model loads."""
     passed_over: list[str] = []
     resume_dir = find_resume(work_dir, resume, recorded_run(work_dir), passed_over)
     if resume_dir is None and passed_over:
@@ -125,6 +159,13 @@ def _locked_run(
             cfg.parallel.sequence_parallel,
         )
         check_same_quantization(resume_dir, cfg.model.quantization)
+    return resume_dir
+
+
+def record_run(
+    cfg: Config, work_dir: Path, resume: str | None, archive_previous: bool, info: DistInfo, say: Say, lock_note: str
+) -> str:
+    """This run's record and resolved config in the work dir (rank 0), and its id on every rank."""
     # Every rank has read the run record (for find_resume) before rank 0 writes this run's: a rank reading it
     # half-written failed to parse it, and one reading the new id could choose another checkpoint than rank 0.
     barrier(info)
@@ -138,44 +179,7 @@ def _locked_run(
         # Dumps of an earlier run in this work dir would confuse this run's diagnosis.
         shutil.rmtree(work_dir / "diagnostics", ignore_errors=True)
     barrier(info)
-    run_id = run_id or recorded_run(work_dir) or ""
-    say(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
-    chosen = " (parallel.engine=auto)" if cfg.parallel.engine == "auto" else ""
-    say(
-        f"engine: {engine_name}{chosen}, {info.world_size} process(es), device {info.device.type}, "
-        f"{torch.get_num_threads()} CPU threads each"
-    )
-
-    if info.distributed:
-        RECORDER.install()  # before any engine exists: DeepSpeed keeps references to the functions it uses
-    dog = cfg.watchdog
-    watchdog = StallWatchdog(
-        work_dir / "diagnostics",
-        dog.startup_timeout_s,
-        dog.stall_timeout_s,
-        dog.enabled,
-        rank=info.rank,
-        world_size=info.world_size,
-        floor_s=dog.stall_floor_s,
-        step_multiple=dog.stall_step_multiple,
-        grace_s=dog.report_grace_s,
-        stop_grace_s=dog.stop_grace_s,
-    )
-    watchdog.start()
-    try:
-        parts = setup(cfg, work_dir, watchdog, info, engine_name, say, run_id)
-        return train_and_evaluate(parts, info, say, resume, resume_dir)
-    except (torch.distributed.DistError, RuntimeError) as exc:
-        if info.distributed and dog.enabled:
-            # A collective that failed (gloo/NCCL errors on mismatched calls) or a rank that failed on its own (out
-            # of memory) leaves the others waiting: the same diagnosis as a hang.
-            message = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
-            watchdog.fail("error", message, exit_process=False, where=exception_site(exc))
-        raise
-    finally:
-        watchdog.stop()
-        if info.distributed:
-            torch.distributed.destroy_process_group()
+    return run_id or recorded_run(work_dir) or ""
 
 
 def setup(
