@@ -90,13 +90,11 @@ def _turns_from_messages(messages: list[tuple[str, str, bool]]) -> tuple[Turn, .
     return tuple(turns)
 
 
-def from_openai(record: dict) -> tuple[Turn, ...]:
-    messages = record.get("messages")
-    if not isinstance(messages, list):
-        raise SampleError("malformed record", '"messages" is not a list')
+def message_triples(messages: list, key: str) -> list[tuple[str, str, bool]]:
+    """(role, content, train) of each OpenAI-style message of the list under `key` (named in errors)."""
     triples = []
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
+        where = f"{key}[{i}]"
         if not isinstance(message, dict):
             raise SampleError("malformed record", f"{where} is not an object")
         role = message.get("role")
@@ -105,7 +103,14 @@ def from_openai(record: dict) -> tuple[Turn, ...]:
         content = _text(message.get("content"), where)
         train = _loss_flag(message["loss"], where) if role == "assistant" and "loss" in message else True
         triples.append((role, content, train))
-    return _turns_from_messages(triples)
+    return triples
+
+
+def from_openai(record: dict) -> tuple[Turn, ...]:
+    messages = record.get("messages")
+    if not isinstance(messages, list):
+        raise SampleError("malformed record", '"messages" is not a list')
+    return _turns_from_messages(message_triples(messages, "messages"))
 
 
 def from_sharegpt(record: dict) -> tuple[Turn, ...]:

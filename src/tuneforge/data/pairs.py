@@ -13,7 +13,7 @@ from typing import Any
 
 from tuneforge.config.schema import DataConfig
 from tuneforge.data.conversation import Conversation, SampleError
-from tuneforge.data.formats import _loss_flag, _text, _turns_from_messages, detect_format
+from tuneforge.data.formats import _turns_from_messages, detect_format, message_triples
 from tuneforge.data.report import DropLog
 from tuneforge.data.sources import MALFORMED_JSON, read_records
 from tuneforge.errors import UserError
@@ -40,17 +40,7 @@ def _messages(value: Any, key: str, role: str) -> list[tuple[str, str, bool]]:
         return [(role, value, True)]
     if not isinstance(value, list):
         raise SampleError("malformed record", f"`{key}` is {type(value).__name__}, not a list of messages or a string")
-    triples = []
-    for i, message in enumerate(value):
-        where = f"{key}[{i}]"
-        if not isinstance(message, dict):
-            raise SampleError("malformed record", f"{where} is not an object")
-        message_role = message.get("role")
-        if message_role not in ("system", "user", "assistant"):
-            raise SampleError("unknown role", f"{where} has role {message_role!r} (expected system, user or assistant)")
-        train = _loss_flag(message["loss"], where) if message_role == "assistant" and "loss" in message else True
-        triples.append((message_role, _text(message.get("content"), where), train))
-    return triples
+    return message_triples(value, key)
 
 
 def _shared_prefix(first: list[tuple[str, str, bool]], second: list[tuple[str, str, bool]]) -> int:
