@@ -35,7 +35,7 @@ def packed_positions() -> torch.Tensor:
     return position_ids
 
 
-def reference_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+def reference_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa=False):
     """torch.nn.attention.varlen.varlen_attn's contract, one segment at a time: (tokens, heads, dim) in and
     out; window_size (left, 0) lets query i see keys i - left .. i (left -1: all earlier keys)."""
     assert torch.equal(cu_q, cu_k) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
@@ -83,6 +83,33 @@ def test_the_varlen_call_equals_the_gathered_sdpa_forward_and_backward(kv_heads,
         strict=True,
     ):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_varlen_kernel_without_gqa_is_given_repeated_key_value_heads(monkeypatch):
+    """PyTorch 2.11's varlen_attn takes no enable_gqa: the key/value heads are repeated to the query's count,
+    with the same output and gradients as a kernel that groups them itself."""
+
+    def kernel_of_torch_2_11(query, key, value, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        assert key.size(1) == value.size(1) == query.size(1)
+        return reference_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    monkeypatch.setattr(packed_attention, "_varlen_attn", kernel_of_torch_2_11)
+    monkeypatch.setattr(packed_attention, "VARLEN_TAKES_GQA", False)
+    torch.manual_seed(0)
+    position_ids = packed_positions()
+    shapes = [(3, 4, WIDTH, 16), (3, 2, WIDTH, 16), (3, 2, WIDTH, 16)]
+    inputs = [torch.randn(shape, requires_grad=True) for shape in shapes]
+    bounds, longest = cumulative_lengths(position_ids)
+    repeated = varlen_forward(*inputs, bounds, longest, None, None)
+    grouped = varlen_forward(*inputs, bounds, longest, None, None, kernel=reference_varlen_attn)
+    torch.testing.assert_close(repeated, grouped, atol=1e-6, rtol=1e-6)
+    weights = torch.randn_like(grouped)
+    for mine, theirs in zip(
+        torch.autograd.grad((repeated * weights).sum(), inputs),
+        torch.autograd.grad((grouped * weights).sum(), inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
 
 
 def test_batch_lengths_rounded_up_for_repeating_shapes_give_the_same_attention():

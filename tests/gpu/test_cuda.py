@@ -4,6 +4,9 @@ micro-step makes no host synchronisation, also with 4-bit stacked experts."""
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +25,7 @@ RECORDS = [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("
 @pytest.mark.parametrize(("kv_heads", "width", "value_width"), [(16, 128, 128), (4, 128, 128), (16, 192, 128)])
 def test_varlen_attention_equals_block_diagonal_sdpa_in_bf16(kv_heads, width, value_width):
     torch.manual_seed(0)
-    lengths = [[700, 1200, 148], [2048], [37, 1500, 9]]
+    lengths = [[700, 1200, 148], [2048], [37, 1500, 9, 502]]  # every row 2,048 long
     position_ids = torch.cat([torch.cat([torch.arange(n) for n in row]) for row in lengths]).view(len(lengths), -1)
     length = position_ids.size(1)
     shapes = [(3, 16, length, width), (3, kv_heads, length, width), (3, kv_heads, length, value_width)]
@@ -107,11 +110,23 @@ def test_a_packed_micro_step_makes_no_host_synchronisation(tokenizer, dtype):
     batch = collate(data, [[0, 1, 2]], tokenizer.pad_token_id, packed=True)
     loss_sum(model, batch, precision).backward()  # warm-up: allocations and the varlen self-check
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    syncs = host_syncs(lambda: loss_sum(model, batch, precision).backward())
+    # transformers' mask preparation reads the position ids once per forward (find_packed_sequence_indices,
+    # masking_utils.py) whatever the attention; nothing else may.
+    assert [site for site in syncs if not site.startswith("masking_utils.py")] == []
+    assert len(syncs) <= 1
+
+
+def host_syncs(work) -> list[str]:
+    """Where `work` synchronised with the GPU: `file:line` of the Python frame of each synchronising call."""
+    torch.cuda.set_sync_debug_mode("warn")
     try:
-        loss_sum(model, batch, precision).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            work()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    return [f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
 
 
 def test_a_whole_step_with_router_balance_reads_the_device_once(tokenizer):
@@ -138,12 +153,16 @@ def test_a_whole_step_with_router_balance_reads_the_device_once(tokenizer):
     batches = [collate(data, [[0, 1]], tokenizer.pad_token_id, packed=True), collate(data, [[2]], 0, packed=True)]
     accumulate_gradients(engine, batches, objective).read(engine.step(1e-4, 1.0))  # warm-up
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step = accumulate_gradients(engine, batches, objective)
-        norm = engine.step(1e-4, 1.0)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    done = {}
+
+    def one_step():
+        done["step"] = accumulate_gradients(engine, batches, objective)
+        done["norm"] = engine.step(1e-4, 1.0)
+
+    syncs = host_syncs(one_step)
+    assert [site for site in syncs if not site.startswith("masking_utils.py")] == []
+    assert len(syncs) <= len(batches)  # transformers' mask preparation, at most once per forward
+    step, norm = done["step"], done["norm"]
     (value,) = step.read(norm)
     assert value > 0 and step.router_aux_loss is not None and step.num_targets > 0
 
@@ -243,7 +262,8 @@ def test_a_4bit_moe_staged_in_host_ram_loads_as_it_does_onto_the_gpu(tokenizer, 
         loaded[staging] = model
     for (name, a), (_, b) in zip(loaded["device"].named_parameters(), loaded["host"].named_parameters(), strict=True):
         if ".experts." in name:
-            assert torch.equal(a, b), name
+            # Compared bit for bit: 4-bit codes stored as bfloat16 can read as NaN, which equals nothing.
+            assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), name
     ids = torch.randint(3, len(tokenizer), (2, 32), generator=torch.Generator().manual_seed(2)).to(CUDA)
     with torch.no_grad():
         logits = [loaded[s](input_ids=ids).logits.float() for s in ("device", "host")]

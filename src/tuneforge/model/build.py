@@ -217,9 +217,13 @@ def build_model(
     info = info or DistInfo(0, 1, 0, torch.device("cpu"))
     if cfg.architecture is not None:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
-            _fresh_config(cfg, tokenizer), dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
-        )
+        # Random initialisation of billions of weights takes a minute on host cores and a second on a GPU; a
+        # sharded engine places its shards itself, so it starts from host memory.
+        init_device = info.device if info.device.type == "cuda" and not sharded_engine else torch.device("cpu")
+        with init_device:
+            model = AutoModelForCausalLM.from_config(
+                _fresh_config(cfg, tokenizer), dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
+            )
         if cfg.lora is not None:
             if base_dir is None:
                 raise ValueError("a fresh model with adapters needs a base_dir")

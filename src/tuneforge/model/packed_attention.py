@@ -49,6 +49,10 @@ try:
 except ImportError:  # PyTorch before 2.10
     _varlen_attn = None
 
+# PyTorch 2.11's varlen_attn has no `enable_gqa` (2.13's has): there the key and value heads are repeated to the
+# query's count before the call, which the kernel's backward sums back per key/value head.
+VARLEN_TAKES_GQA = _varlen_attn is not None and "enable_gqa" in inspect.signature(_varlen_attn).parameters
+
 NAME = "tuneforge_sdpa"
 """Registered name; the model config still says `sdpa` to the user (`model.attn_implementation`)."""
 
@@ -244,6 +248,12 @@ def varlen_forward(
     q, k, v = (_flat_tokens(states) for states in (query, key, value))
     if value_width < width:  # zero columns add nothing to the output, and are sliced off after
         v = F.pad(v, (0, width - value_width))
+    gqa = {}
+    if heads != key.size(1):
+        if kernel is not None or VARLEN_TAKES_GQA:
+            gqa = {"enable_gqa": True}
+        else:
+            k, v = (t.repeat_interleave(heads // key.size(1), dim=1) for t in (k, v))
     out = (kernel or _varlen_attn)(
         q,
         k,
@@ -255,7 +265,7 @@ def varlen_forward(
         scale=scaling,
         # (left, right) keys around each query: (-1, 0) causal; transformers' window W sees W - 1 keys back.
         window_size=(-1 if window is None else window - 1, 0),
-        enable_gqa=heads != key.size(1),
+        **gqa,
     )
     return out[..., :value_width].reshape(batch, length, heads, value_width)
 
