@@ -175,6 +175,25 @@ def test_a_checkpoint_directory_unwritable_on_one_rank_stops_both_with_one_messa
 
 
 @pytest.mark.slow
+def test_a_full_disk_on_one_rank_inside_deepspeeds_own_save_stops_both_with_one_message(tmp_path):
+    """Rank 1's writes inside DeepSpeed's save_checkpoint fail (ZeRO-3 with offload: each rank writes its own
+    partition), rank 0's succeed. DeepSpeed's own barriers still pair up, so the vote after the save stops both
+    ranks with the no-space message instead of leaving rank 0 waiting in a barrier until the stall timeout."""
+    write_job(tmp_path)
+    result = launch(
+        tmp_path / "cfg.yaml",
+        tmp_path / "run",
+        *ENGINES["zero3_offload"],
+        ranks=2,
+        fault="disk_full_in_engine_save:1:4",
+    )
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert_stopped_with_one_message(result, f"checkpoint {checkpoints / 'step-4'} not written: no space")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
+    assert checkpoint_problems(checkpoints / "step-2") == []
+
+
+@pytest.mark.slow
 def test_a_second_ctrl_c_during_the_stop_checkpoint_stops_every_process_at_once(tmp_path):
     """The first Ctrl-C makes the ranks finish the step and save it (rank 0's save is made 30 s slow); the second
     stops at once, as the first one's message promises: the ranks used to ignore it while saving for the stop,

@@ -216,8 +216,16 @@ class DeepSpeedEngine(Engine):
         return float(norm) if norm is not None else float("nan")
 
     def save_state(self, directory: Path) -> None:
-        # DeepSpeed's own format: ZeRO partitions and optimizer shards, one file set per rank.
-        self._engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
+        # DeepSpeed's own format: ZeRO partitions and optimizer shards, one file set per rank. A write that
+        # fails on one rank is held until save_checkpoint returns: raised at once, it would leave that rank out
+        # of the gathers and barriers DeepSpeed runs between its writes, and the others waiting in them.
+        writer = HeldWriteErrors(self._engine.checkpoint_engine)
+        self._engine.checkpoint_engine = writer
+        try:
+            self._engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
+        finally:
+            self._engine.checkpoint_engine = writer.inner
+        writer.raise_first()
 
     def load_state(self, directory: Path) -> None:
         # DeepSpeed unpickles its files with torch.load(weights_only=False): they are scanned first.
@@ -239,3 +247,27 @@ class DeepSpeedEngine(Engine):
             return None
         state = self._engine._zero3_consolidated_16bit_state_dict()  # collective: all ranks take part
         return state if self.info.is_main else None
+
+
+class HeldWriteErrors:
+    """DeepSpeed's checkpoint engine with its file writes' errors held instead of raised (the file is left
+    unwritten); everything else goes to the engine as it is."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.errors: list[Exception] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.errors:  # the disk already failed this rank: later files would fail the same way
+            return
+        try:
+            self.inner.save(state_dict, path)
+        except Exception as exc:  # judged by the caller's vote, with the other ranks' faults
+            self.errors.append(exc)
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]

@@ -18,6 +18,8 @@ diagnosis can be checked end to end through the real launcher:
 - `disk_full_in_save`: writing that step's checkpoint fails as on a full disk (ENOSPC);
 - `slow_stop_save`: the checkpoint saved after the ranks agreed to stop on a signal takes `seconds` longer on
   that rank (step ignored);
+- `disk_full_in_engine_save`: on that rank alone, the engine's own writes of that step's checkpoint fail as on
+  a full disk (every `torch.save` raises ENOSPC), while the other ranks' succeed;
 - `unwritable_in_save`: writing that step's checkpoint fails as in a directory made read-only (EACCES);
 - `nan_loss`: the rank's loss of that step is NaN (a bad sample, an overflow).
 
@@ -27,10 +29,12 @@ layer), installed by `run.setup` only when the variable is set: the training loo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -54,6 +58,7 @@ KINDS = (
     "sigint",
     "kill_in_save",
     "disk_full_in_save",
+    "disk_full_in_engine_save",
     "unwritable_in_save",
     "slow_stop_save",
     "nan_loss",
@@ -162,7 +167,11 @@ class FaultyEngine:
         mine = injector.fault.kind == "slow_stop_save" and injector.fault.rank == injector.rank
         if mine and injector.watchdog.stop_agreed:
             time.sleep(injector.fault.seconds)
-        self.inner.save_state(directory)
+        if self.injector.due("disk_full_in_engine_save"):
+            with torch_save_fails(errno.ENOSPC):
+                self.inner.save_state(directory)
+        else:
+            self.inner.save_state(directory)
         if self.injector.due("kill_in_save"):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.injector.due("disk_full_in_save"):
@@ -171,3 +180,19 @@ class FaultyEngine:
             raise PermissionError(
                 errno.EACCES, os.strerror(errno.EACCES), str(directory / f"rng-rank-{self.inner.info.rank}")
             )
+
+
+@contextlib.contextmanager
+def torch_save_fails(code: int) -> Iterator[None]:
+    """Every `torch.save` inside raises OSError(code) after writing nothing: a disk failing under an engine's own
+    writer, where no wrapper of tuneforge's stands between."""
+    real = torch.save
+
+    def failing(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        raise OSError(code, os.strerror(code), str(f))
+
+    torch.save = failing
+    try:
+        yield
+    finally:
+        torch.save = real
