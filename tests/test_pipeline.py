@@ -367,10 +367,21 @@ def test_a_pipe_as_train_file_and_a_deepspeed_json_that_is_not_json_are_said_bef
     with pytest.raises(UserError) as info:
         check_inputs(load_config(tmp_path / "cfg.yaml"), tmp_path / "run")
     lines = str(info.value).splitlines()
-    assert lines[0] == f"data.train_files: {tmp_path / 'pipe.jsonl'} is not a regular file (a pipe or device); " + (
-        "write the data to a file"
+    assert lines[0] == f"data.train_files: {tmp_path / 'pipe.jsonl'} is not a regular file (a pipe such as " + (
+        "`<(...)`, or a device): the data is read more than once; write it to a file"
     )
     assert lines[1].startswith(f"parallel.deepspeed_config: cannot read {tmp_path / 'ds.json'} (Expecting")
+
+    # A shell's process substitution, `<(...)`: /dev/fd/N links to `pipe:[...]`, which is no path; it is named
+    # as given, not reported missing.
+    read_end, write_end = os.pipe()
+    try:
+        cfg = load_config(tmp_path / "cfg.yaml", [f"data.train_files=[/dev/fd/{read_end}]"])
+        with pytest.raises(UserError, match=rf"^data.train_files: /dev/fd/{read_end} is not a regular file \(a pipe"):
+            check_inputs(cfg, tmp_path / "run")
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_a_tokenizer_template_that_cannot_render_is_one_error(tokenizer):

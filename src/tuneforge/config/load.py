@@ -167,7 +167,10 @@ def _format_errors(exc: ValidationError, path: Path, root: yaml.Node | None, ove
 
 def _resolved(key: str, path: Path) -> str:
     try:
-        return str(path.resolve())
+        resolved = path.resolve()
+        if path.exists() and not resolved.exists():  # `<(...)`'s /dev/fd/N: its link names a pipe, not a path
+            return str(path.absolute())
+        return str(resolved)
     except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13), or unreadable
         raise UserError(f"{key}: {path} cannot be resolved ({exc}); point it at the file itself") from None
 

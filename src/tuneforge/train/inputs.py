@@ -59,7 +59,10 @@ def _data_problems(cfg: Config) -> list[str]:
             problems.append(f"{key}: {path} not found (relative paths are read from the config file's directory)")
         elif not (Path(path).is_file() or Path(path).is_dir()):
             # A pipe would block the read with nothing said, a device would be read without end.
-            problems.append(f"{key}: {path} is not a regular file (a pipe or device); write the data to a file")
+            problems.append(
+                f"{key}: {path} is not a regular file (a pipe such as `<(...)`, or a device): the data is read more "
+                "than once; write it to a file"
+            )
     return problems
 
 
