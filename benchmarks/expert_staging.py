@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/expert_staging.py [--model deepseek_v2_lite] [--layers 6]
 
-Needs a CUDA GPU. Writes a model of the named architecture from `configs/models/` (random bf16 weights, real
-dimensions, `--layers` of its layers) to a temporary directory, then loads it once per mode with tuneforge's
-loader (QLoRA settings: NF4, double quantization, bf16 compute), each in a fresh process, and prints the load
-time, the peak GPU memory allocated, the process's peak resident set, and the ratios host / device.
+Needs a CUDA GPU. Writes a model of the named architecture from `tuneforge.recipes.MODEL_SHAPES` (random bf16
+weights, real dimensions, `--layers` of its layers) to a temporary directory, then loads it once per mode with
+tuneforge's loader (QLoRA settings: NF4, double quantization, bf16 compute), each in a fresh process, and prints
+the load time, the peak GPU memory allocated, the process's peak resident set, and the ratios host / device.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
+from tuneforge.recipes import MODEL_SHAPES
+
+MODELS = MODEL_SHAPES
 CONFIGS = {"deepseek_v2_lite": "deepseek-v2-lite-chat.config.json", "mixtral_8x7b": "mixtral-8x7b.config.json"}
 MODES = ("device", "host")
 

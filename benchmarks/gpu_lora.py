@@ -5,7 +5,7 @@ and a whole `tuneforge train` run beside tuneforge's step alone.
     python benchmarks/gpu_lora.py --models deepseek_v2_lite --layers 4 --train-run   # the CLI against the step
     python benchmarks/gpu_lora.py --device cpu --smoke [--train-run]  # the same code on tiny shapes, on a CPU
 
-Models are built with random weights from the real configurations in `configs/models/` (all their layers
+Models are built with random weights from the real configurations in `src/tuneforge/recipes/models/` (all their layers
 unless --layers is given). Both contenders train LoRA r=64 on the same targets (tuneforge's default: every
 linear layer except routers and routed experts) in bf16 on the same synthetic samples (log-normal lengths,
 median 300 tokens, up to 2,048; loss on the last 70% of each), 16 samples per optimizer step:
@@ -61,11 +61,12 @@ from tuneforge.estimate.hardware import ACCELERATORS, Accelerator, local_acceler
 from tuneforge.model.adapters import apply_lora
 from tuneforge.model.flops import active_matmul_parameters, model_flops_per_token
 from tuneforge.model.moe import find_moe
+from tuneforge.recipes import MODEL_SHAPES
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.objectives import build_objective
 from tuneforge.train.optim import build_optimizer
 
-MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
+MODELS = MODEL_SHAPES
 CONFIGS = {"deepseek_v2_lite": "deepseek-v2-lite-chat.config.json", "llama3_8b": "llama-3-8b.config.json"}
 WARMUP, PER_STEP, MAX_LENGTH = 2, 16, 2048
 LORA = LoraSettings(r=64, alpha=16, dropout=0.0)

@@ -132,12 +132,31 @@ def test_dropout_on_stacked_expert_adapters_fails_only_in_peft_form(tokenizer):
 def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix():
     from tuneforge.doctor import check_cpu_precision
 
-    emulated = check_cpu_precision(config(), on_gpu=False, native=False)
+    emulated = check_cpu_precision(config(train={"precision": "bf16"}), on_gpu=False, native=False)
     assert emulated.status == WARN and "without AVX512-BF16 or AMX" in emulated.detail
     assert emulated.fix == "set train.precision=fp32 on this machine"
     assert check_cpu_precision(config(), on_gpu=False, native=True).status == PASS
     assert check_cpu_precision(config(), on_gpu=True, native=False).status == PASS
     assert check_cpu_precision(config(train={"precision": "fp32"}), on_gpu=False, native=False).status == PASS
+
+
+def test_precision_auto_is_bf16_where_the_hardware_computes_it_and_fp32_elsewhere(monkeypatch):
+    from tuneforge.model import precision
+
+    monkeypatch.setattr(precision, "native_cpu_half_precision", lambda: True)
+    assert precision.choose_precision("auto", on_gpu=False) == (
+        "bf16",
+        "this CPU computes bfloat16 natively (AVX512-BF16 or AMX)",
+    )
+    monkeypatch.setattr(precision, "native_cpu_half_precision", lambda: False)
+    chosen, why = precision.choose_precision("auto", on_gpu=False)
+    assert chosen == "fp32" and "no AVX512-BF16 or AMX" in why
+    assert precision.choose_precision("auto", on_gpu=True) == ("bf16", "the GPU computes bfloat16")
+    chosen, why = precision.choose_precision("auto", on_gpu=True, gpu_has_bf16=False)
+    assert chosen == "fp32" and "train.precision=fp16 is faster there" in why
+    assert precision.choose_precision("bf16", on_gpu=False) == ("bf16", "")  # a choice of the user's stands
+    cfg = precision.with_precision(config(), "fp32")
+    assert config().train.precision == "auto" and cfg.train.precision == "fp32"
 
 
 def test_too_few_samples_for_the_ranks_warn(tokenizer):

@@ -1,5 +1,5 @@
 """The memory and time estimate: how it responds to sharding, offload, quantization, checkpointing and ranks.
-Skeletons are built on the meta device from the real model configs in configs/models/ (no weights)."""
+Skeletons are built on the meta device from the real model configs in src/tuneforge/recipes/models/ (no weights)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from tuneforge.estimate import ACCELERATORS, kbit_bytes
 from tuneforge.estimate import estimate as estimate_for_traits
 from tuneforge.model.moe import find_moe
 from tuneforge.model.quantize import quantized_linears
+from tuneforge.recipes import MODEL_SHAPES, RECIPES
 
 from conftest import REPO
 
-MODELS = REPO / "configs" / "models"
+MODELS = MODEL_SHAPES
 H100 = ACCELERATORS["h100"]
 USER_JOB = REPO / "configs" / "deepseek_v2_lite_qlora_zero3_offload_8gpu.yaml"
-RECOMMENDED = REPO / "configs" / "deepseek_v2_lite_lora_fsdp_8gpu.yaml"
+RECOMMENDED = RECIPES / "deepseek-v2-lite-lora-fsdp-8gpu.yaml"
 
 
 def skeleton(name: str):
@@ -46,8 +47,10 @@ def mixtral():
 
 
 def config(**sections) -> Config:
+    """A job for a GPU: `train.precision: auto` is bf16 there, as the doctor resolves it before sizing."""
     model = {"path": "some/model", "dtype": "bfloat16", **sections.pop("model", {})}
-    return Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}, **sections})
+    train = {"precision": "bf16", **sections.pop("train", {})}
+    return Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}, "train": train, **sections})
 
 
 def estimate(cfg: Config, model, engine: str, world_size: int, accelerator, **kwargs):

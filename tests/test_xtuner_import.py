@@ -237,7 +237,9 @@ def test_xtuner_templates_are_read_from_its_installed_package_never_imported(tmp
     assert "xtuner" not in sys.modules
     assert result.unmapped == []
     data = result.config["data"]
-    assert data["system"] == MADE_UP_SYSTEM and data["format"] == "alpaca"
+    # The chat hook's system prompt is the sample chats' own: alpaca_map_fn's training text has none.
+    assert result.config["eval"]["sample_system"] == MADE_UP_SYSTEM and "system" not in data
+    assert data["format"] == "alpaca"
     assert data["template"] == {
         "system": "<|sys|>{system}\n",
         "instruction": "<|usr|>{input}\n<|bot|>",
@@ -250,7 +252,8 @@ def test_xtuner_templates_are_read_from_its_installed_package_never_imported(tmp
     out = tmp_path / "imported.yaml"
     out.write_text(to_yaml(result, tmp_path / "cfg.py"))
     config = load_config(out)
-    assert config.data.system == MADE_UP_SYSTEM and config.data.template.suffix_as_eos
+    assert config.eval.sample_system == MADE_UP_SYSTEM and config.data.system is None
+    assert config.data.template.suffix_as_eos
 
 
 def test_without_xtuner_its_templates_are_not_mapped_with_the_fix(tmp_path, monkeypatch):
@@ -261,10 +264,10 @@ def test_without_xtuner_its_templates_are_not_mapped_with_the_fix(tmp_path, monk
     reasons = {what: (line, why) for line, what, why in result.unmapped}
     line, why = reasons["EvaluateChatHook.system = xtuner.utils.SYSTEM_TEMPLATE.alpaca"]
     assert "system=SYSTEM" in lines[line - 1]
-    assert "not installed here: pip install xtuner==0.1.23 --no-deps, or set data.system" in why
+    assert "not installed here: pip install xtuner==0.1.23 --no-deps, or set eval.sample_system" in why
     line, why = reasons["prompt template xtuner.utils.PROMPT_TEMPLATE.made_up_chat"]
     assert "template=prompt_template" in lines[line - 1] and why.endswith("or set data.template")
-    assert "system" not in result.config["data"] and "template" not in result.config["data"]
+    assert "sample_system" not in result.config["eval"] and "template" not in result.config["data"]
     assert "# NOT MAPPED (line" in to_yaml(result, path)  # and nothing unresolved reaches the YAML dumper
 
 

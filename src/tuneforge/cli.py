@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from tuneforge.errors import UserError
+from tuneforge.recipes.command import add_parser as add_recipes_parser
+from tuneforge.recipes.command import run as run_recipes
 
 TRAIN_EXAMPLES = """examples:
   tuneforge train configs/demo.yaml
@@ -171,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
         help="check a config, its model and this machine for known-bad set-ups (also run by train)",
         epilog="examples:\n  tuneforge doctor my.yaml --nproc-per-node 8\n"
         "  tuneforge doctor my.yaml parallel.engine=fsdp\n"
-        "  tuneforge doctor my.yaml --nproc-per-node 8 --gpu h100 --model-config configs/models/NAME.config.json\n\n"
+        "  tuneforge doctor my.yaml --nproc-per-node 8 --gpu h100 --model-config llama-3-8b/config.json\n"
+        "  tuneforge recipes show llama-3-8b-lora-1gpu     (the published shapes of common models ship with it)\n\n"
         "With --gpu (or on a GPU machine) it also estimates memory per GPU and time per step from the model's\n"
         "shapes, with the assumptions listed: a sizing estimate, not a measurement.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -211,6 +214,18 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("work_dir", type=Path, help="the run's work dir (works while it trains, too)")
     plot.add_argument("--out", type=Path, help="PNG to write (default: WORK_DIR/plot.png)")
 
+    watch = commands.add_parser(
+        "watch",
+        help="a live view of a run: ranks, curves, throughput, ETA, the last sample chat, a diagnosis",
+        epilog="examples:\n  tuneforge watch work_dirs/demo\n  tuneforge watch work_dirs/my --once\n\n"
+        "Works from another terminal or node (shared filesystem) and after the run; it ends with the run,\n"
+        "with status 3 when the run ended with a diagnosis.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    watch.add_argument("work_dir", type=Path, help="the run's work dir")
+    watch.add_argument("--once", action="store_true", help="print the view once and exit")
+    watch.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    add_recipes_parser(commands, GPU_CHOICES)
     commands.add_parser(
         "config-docs",
         help="list every config key with its default and meaning",
@@ -319,50 +334,9 @@ def _resume_command(args: argparse.Namespace, work_dir: Path) -> str:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from tuneforge.config import load_config
+    from tuneforge.doctor_report import print_doctor
 
-    config = load_config(args.config, args.overrides)
-    from tuneforge.data.pipeline import prepare_data
-    from tuneforge.data.templates import get_template
-    from tuneforge.distributed import DistInfo
-    from tuneforge.doctor import FAIL, WARN, Check, format_checks, run_checks
-    from tuneforge.engines import choose_engine
-    from tuneforge.estimate import ACCELERATORS
-    from tuneforge.model.build import build_tokenizer
-
-    world_size = args.nproc_per_node * args.nnodes
-    engine = choose_engine(config.parallel.engine, DistInfo(0, world_size, 0, torch_device()), config.parallel)
-    skipped = []  # sizing a job for another machine: its tokenizer and data may not be here
-    tokenizer, num_samples = None, None
-    try:
-        tokenizer = build_tokenizer(config.model, local_files_only=args.model_config is not None)
-    except OSError:
-        source = config.model.tokenizer or config.model.path
-        skipped.append(Check("tokenizer", WARN, f"{source} is not on this machine: template and data not checked"))
-    if tokenizer is not None:
-        try:
-            data = prepare_data(config.data, tokenizer, get_template(config.data.template), 0, 1, config.paired)
-            num_samples = len(data.train.data) // (2 if config.paired else 1)
-        except UserError as exc:
-            if args.model_config is None:
-                raise
-            skipped.append(Check("training data", WARN, f"not read: {exc}", "put the data in place before training"))
-    accelerator = ACCELERATORS[args.gpu] if args.gpu else None
-    checks = run_checks(
-        config, engine, world_size, tokenizer, num_samples, args.model_config, accelerator, args.nproc_per_node
-    )
-    checks = [*skipped, *checks]
-    print(format_checks(checks))
-    for check in checks:
-        if check.report:
-            print(check.report)
-    return 1 if any(c.status == FAIL for c in checks) else 0
-
-
-def torch_device():
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return print_doctor(args.config, args.overrides, args.nproc_per_node, args.nnodes, args.gpu, args.model_config)
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -456,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
             print(plot_metrics(args.work_dir, args.out))
         elif args.command == "data":
             return _data(args)
+        elif args.command == "watch":
+            from tuneforge.watch import watch
+
+            return watch(args.work_dir, args.interval, args.once)
+        elif args.command == "recipes":
+            return run_recipes(args)
         elif args.command == "config-docs":
             from tuneforge.config.load import describe_fields
 

@@ -26,6 +26,7 @@ from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_esti
 from tuneforge.model.adapters import resolve_lora_targets
 from tuneforge.model.expert_lora import grouped_experts_unsupported
 from tuneforge.model.moe import MoEBlock, MoEMap, find_moe
+from tuneforge.model.precision import choose_precision, native_cpu_half_precision, with_precision
 from tuneforge.model.quantize import quantized_linears
 from tuneforge.model.quantized_experts import quantizable_experts, stacked_numel
 
@@ -252,11 +253,6 @@ def check_dtype(cfg: Config, skeleton: nn.Module | None) -> Check:
     return Check(name, PASS, f"{cfg.model.dtype}" + (f" (model trained in {trained})" if trained else ""))
 
 
-def native_cpu_half_precision() -> bool:
-    """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX); without, oneDNN emulates them."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
 def check_cpu_precision(cfg: Config, on_gpu: bool, native: bool | None = None) -> Check:
     name = "CPU precision"
     precision = cfg.train.precision
@@ -464,6 +460,8 @@ def run_checks(
 ) -> list[Check]:
     """`engine`: the engine's name, as `choose_engine` resolved it. `accelerator` None: this machine's GPU, if
     any (the estimate is skipped without one)."""
+    on_gpu = torch.cuda.is_available() or accelerator is not None
+    cfg = with_precision(cfg, choose_precision(cfg.train.precision, on_gpu)[0])
     traits = engine_traits(engine, cfg.parallel, cfg.train)
     skeleton = model_skeleton(cfg, tokenizer, model_config)
     moe = find_moe(skeleton) if skeleton is not None else MoEMap()
@@ -480,7 +478,7 @@ def run_checks(
         check_expert_dropout(cfg, moe),
         check_quantized_expert_form(cfg, skeleton, moe),
         check_dtype(cfg, skeleton),
-        check_cpu_precision(cfg, torch.cuda.is_available() or accelerator is not None),
+        check_cpu_precision(cfg, on_gpu),
         check_samples(cfg, world_size, num_samples),
         check_packing(cfg),
         check_template(cfg, tokenizer),

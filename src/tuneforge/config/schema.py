@@ -64,9 +64,11 @@ class TrainConfig(Section):
     warmup_steps: int | None = Field(None, ge=0)
     """Warmup length in optimizer steps; overrides `warmup_ratio` when set."""
 
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Compute precision: `bf16` autocast (works on CPU too), `fp16` autocast with loss scaling (for GPUs
-    without bf16, such as V100 and T4), or plain `fp32`. Weights the optimizer updates stay fp32."""
+    without bf16, such as V100 and T4), or plain `fp32`. Weights the optimizer updates stay fp32. `auto`: bf16
+    on GPUs that compute it and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere (on a CPU without them bf16 is
+    emulated, several times slower); the run's first lines say which and why."""
 
     loss_scale: float | None = Field(None, gt=0)
     """fp16 only: a fixed loss scale. None scales dynamically: a step whose gradients overflow is skipped,
@@ -240,6 +242,10 @@ class EvalConfig(Section):
 
     sample_max_new_tokens: int = Field(64, ge=1)
     """Generation budget for each sample answer."""
+
+    sample_system: str | None = None
+    """The system prompt of the sample chats; None: `data.system`, the one training uses. A chat hook's own
+    prompt (xtuner's `EvaluateChatHook.system`) goes here, so it never changes the text trained on."""
 
     exact_match: ExactMatchConfig | None = None
     """After training, greedy answers are compared to references; the accuracy goes to `eval.json`."""

@@ -24,6 +24,7 @@ from tuneforge.estimate.report import Estimate, assumptions, format_estimate
 from tuneforge.estimate.shapes import model_shapes
 from tuneforge.estimate.timing import step_times
 from tuneforge.model.moe import MoEMap
+from tuneforge.model.precision import choose_precision, with_precision
 from tuneforge.model.quantize import kbit_bytes
 
 
@@ -39,6 +40,7 @@ def estimate(
 ) -> Estimate:
     """Memory per GPU (and host RAM per node) and time per optimizer step for `cfg` on `world_size` ranks of
     the engine with `traits`. `moe`: the skeleton's MoE map."""
+    cfg = with_precision(cfg, choose_precision(cfg.train.precision, on_gpu=True)[0])  # the GPUs named compute bf16
     par, train, quantization = cfg.parallel, cfg.train, cfg.model.quantization
     per_node = min(gpus_per_node or world_size, world_size)
     compute_bytes = 2 if train.precision in ("bf16", "fp16") else 4

@@ -1,10 +1,13 @@
-"""The compute precision of forward passes: autocast to bf16 or fp16, or none (fp32)."""
+"""The compute precision of forward passes: autocast to bf16 or fp16, or none (fp32), and what
+`train.precision: auto` stands for on the machine at hand."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
+
+from tuneforge.config.schema import Config
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -13,3 +16,30 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     if precision in AUTOCAST_DTYPES:
         return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[precision])
     return contextlib.nullcontext()
+
+
+def native_cpu_half_precision() -> bool:
+    """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX); without, oneDNN emulates them."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def choose_precision(requested: str, on_gpu: bool, gpu_has_bf16: bool = True) -> tuple[str, str]:
+    """The precision to compute in, and why when `requested` is `auto` (empty otherwise): bf16 where the
+    hardware computes it natively, fp32 elsewhere (emulated bf16 is slower than fp32, and fp16 needs loss
+    scaling, which a user chooses knowingly)."""
+    if requested != "auto":
+        return requested, ""
+    if on_gpu:
+        if gpu_has_bf16:
+            return "bf16", "the GPU computes bfloat16"
+        return "fp32", "this GPU has no bfloat16; train.precision=fp16 is faster there, with loss scaling"
+    if native_cpu_half_precision():
+        return "bf16", "this CPU computes bfloat16 natively (AVX512-BF16 or AMX)"
+    return "fp32", "this CPU has no AVX512-BF16 or AMX, so bf16 would be emulated, several times slower than fp32"
+
+
+def with_precision(cfg: Config, precision: str) -> Config:
+    """`cfg` computing in `precision` (what `auto` was resolved to)."""
+    if cfg.train.precision == precision:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": precision})})

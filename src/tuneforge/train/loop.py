@@ -424,7 +424,7 @@ class Trainer:
             self.parts.tokenizer,
             self.parts.template,
             prompts,
-            self.cfg.data.system,
+            self.cfg.data.system if evaluation.sample_system is None else evaluation.sample_system,
             evaluation.sample_max_new_tokens,
             self.cfg.train.precision,
             synced=self.engine.generates_in_lockstep,

@@ -32,6 +32,7 @@ from tuneforge.model.build import DTYPES, build_model, build_tokenizer, count_pa
 from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.model.flops import model_flops_per_token
 from tuneforge.model.moe import MoEMap, find_moe
+from tuneforge.model.precision import choose_precision, with_precision
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.train.evaluate import exact_match, write_result
@@ -100,6 +101,9 @@ def _locked_run(
     say: Say,
     lock_note: str,
 ) -> dict:
+    on_gpu = info.device.type == "cuda"
+    precision, why = choose_precision(cfg.train.precision, on_gpu, not on_gpu or torch.cuda.is_bf16_supported())
+    cfg = with_precision(cfg, precision)  # every part reads the precision chosen, and config.yaml records it
     # Everything that can refuse the run is checked before this run writes a file.
     resume_dir = checked_resume(cfg, work_dir, resume, info, engine_name, say)
     run_id = record_run(cfg, work_dir, resume, archive_previous, info, say, lock_note)
@@ -109,6 +113,8 @@ def _locked_run(
         f"engine: {engine_name}{chosen}, {info.world_size} process(es), device {info.device.type}, "
         f"{torch.get_num_threads()} CPU threads each"
     )
+    if why:
+        say(f"precision: {precision} (train.precision=auto: {why})")
     if info.distributed:
         RECORDER.install()  # before any engine exists: DeepSpeed keeps references to the functions it uses
     watchdog = StallWatchdog.for_config(cfg.watchdog, work_dir / "diagnostics", info.rank, info.world_size)

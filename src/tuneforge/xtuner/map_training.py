@@ -104,7 +104,7 @@ class TrainingMapping(MapperBase):
             self.leftovers(scheduler, f"param_scheduler {kind}")
 
     def map_hooks(self, custom_hooks: Any, default_hooks: Any, accumulation: int) -> None:
-        evaluation, data = self.section("eval"), self.section("data")
+        evaluation = self.section("eval")
         if not isinstance(custom_hooks, list):
             line = self.module.lines.get("custom_hooks", 0)
             self.unmapped(line, f"custom_hooks = {shown(custom_hooks)}", "not a list of hooks")
@@ -123,10 +123,12 @@ class TrainingMapping(MapperBase):
                     )
                 system = self.take(hook, "system")
                 if system:
-                    # The prompt xtuner samples with is the one its map functions give the training data.
-                    text = self.text(system, self.line(hook, "system"), "EvaluateChatHook.system", "data.system")
+                    # The prompt xtuner samples with only; the map functions the importer reads (openai, alpaca,
+                    # sharegpt) add none to the training data, so data.system stays as it is.
+                    line = self.line(hook, "system")
+                    text = self.text(system, line, "EvaluateChatHook.system", "eval.sample_system")
                     if text:
-                        data["system"] = text
+                        evaluation["sample_system"] = text
                 if (tokens := self.number(hook, "max_new_tokens", "EvaluateChatHook")) is not None:
                     evaluation["sample_max_new_tokens"] = tokens
                 for key in ("tokenizer", "prompt_template", "stop_words"):

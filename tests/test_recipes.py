@@ -1,0 +1,66 @@
+"""The shipped recipes: each validates, names its launch line, and fits the GPU it was sized for on its model's
+published shapes (the doctor's estimate; a recipe that stops fitting fails here). `tuneforge recipes` lists,
+copies without overwriting, and shows one with the doctor's verdict."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuneforge.cli import GPU_CHOICES, main
+from tuneforge.config import load_config
+from tuneforge.doctor import FAIL, PASS
+from tuneforge.doctor_report import doctor_checks
+from tuneforge.recipes import all_recipes
+
+RECIPES = all_recipes()
+
+
+def test_the_catalogue_covers_the_models_people_train():
+    names = {recipe.name for recipe in RECIPES}
+    assert {
+        "deepseek-v2-lite-qlora-ddp-8gpu",  # the original report's job
+        "deepseek-v2-lite-lora-fsdp-8gpu",
+        "llama-3-8b-lora-1gpu",
+        "llama-3-8b-qlora-24gb",
+        "llama-3-8b-full-fsdp-8gpu",
+        "qwen3-30b-a3b-lora-fsdp-8gpu",
+        "mixtral-8x7b-qlora-1gpu",
+        "qwen2.5-7b-qlora-24gb",
+        "llama-3-8b-dpo-lora-1gpu",
+    } <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[recipe.name for recipe in RECIPES])
+def test_each_recipe_fits_the_gpu_it_names_on_its_models_real_shapes(recipe):
+    assert recipe.gpu in GPU_CHOICES and recipe.shapes.is_file()
+    assert recipe.launch.startswith(f"tuneforge train {recipe.path.name}")
+    assert (recipe.gpus > 1) == ("--nproc-per-node" in recipe.launch)
+    load_config(recipe.path)  # validates
+    checks = {check.name: check for check in doctor_checks(recipe.path, [], recipe.gpus, 1, recipe.gpu, recipe.shapes)}
+    memory = checks["memory estimate"]
+    assert memory.status == PASS and "skipped" not in memory.detail, memory.detail
+    assert not [check for check in checks.values() if check.status == FAIL], checks
+
+
+def test_recipes_are_listed_copied_without_overwriting_and_shown_with_the_doctor(tmp_path, capsys, monkeypatch):
+    assert main(["recipes"]) == 0
+    listed = capsys.readouterr().out
+    assert all(recipe.name in listed for recipe in RECIPES) and "8 x h100" in listed
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["recipes", "copy", "llama-3-8b-lora-1gpu"]) == 0
+    copied = tmp_path / "llama-3-8b-lora-1gpu.yaml"
+    assert copied.read_text() == next(r for r in RECIPES if r.name == "llama-3-8b-lora-1gpu").path.read_text()
+    assert f"tuneforge train {copied}" in capsys.readouterr().out
+    assert main(["recipes", "copy", "llama-3-8b-lora-1gpu"]) == 2  # never over an existing file
+    assert f"error: {copied} exists; name another file" in capsys.readouterr().err
+    assert main(["recipes", "copy", "llama-3-8b-lora-1gpu", "mine.yaml"]) == 0 and (tmp_path / "mine.yaml").is_file()
+
+    assert main(["recipes", "copy", "lama-3-8b-lora"]) == 2
+    assert "no recipe 'lama-3-8b-lora'; did you mean llama-3-8b-lora-1gpu" in capsys.readouterr().err
+
+    assert main(["recipes", "show", "llama-3-8b-qlora-24gb", "--gpu", "h100"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("# recipe: Llama-3-8B-Instruct QLoRA")
+    assert "doctor, for 1 x h100 on the published shapes of its model (llama-3-8b.config.json):" in shown
+    assert "PASS  memory estimate" in shown and "of 80 per GPU (H100 80GB)" in shown
