@@ -233,6 +233,8 @@ def test_the_8_gpu_configs_validate_and_the_doctor_estimates_them(path, capsys):
     assert code == 0, out
     assert "estimate for 8 x H100 80GB" in out and "assumptions:" in out
     assert "PASS  memory estimate" in out  # both fit on 80 GB GPUs
+    # The job as launched: its 4-bit base fits every GPU whole, so DDP is named with both estimates.
+    assert ("fix: parallel.engine=ddp: the 4-bit base fits every GPU whole" in out) == (path == USER_JOB)
 
 
 def test_the_recommended_config_is_faster_than_the_original(deepseek):

@@ -49,6 +49,9 @@ def test_the_seed_config_maps_completely():
     assert any("500 iterations / accumulative_counts 16 = 31.25 optimizer steps -> 31" in n for n in result.notes)
     assert result.unmapped == []
     assert result.launch == "tuneforge train OUT.yaml --nproc-per-node 8"
+    # The layout as launched is kept, and the faster sound one named (the doctor sizes both).
+    assert any(n.startswith("QLoRA under --deepspeed deepspeed_zero3_offload: kept as launched") for n in result.notes)
+    assert "QLoRA under" not in " ".join(import_config(SEED, "deepspeed_zero2", 8).notes)
 
 
 def test_unmappable_settings_are_listed_with_their_lines(tmp_path):
@@ -217,6 +220,21 @@ PROMPT_TEMPLATE = ConfigDict(
 )
 SYSTEM_TEMPLATE = ConfigDict(alpaca={MADE_UP_SYSTEM!r})
 """
+
+
+def test_xtuners_sharded_moe_implementation_is_explained_not_listed_as_unmapped(tmp_path):
+    """`moe_implementation='shard'` (xtuner's DeepSeek-V2 full fine-tuning configs) regroups per-expert modules
+    for ZeRO-3's gathers; transformers' stacked experts make it unnecessary, which the import says."""
+    old = "        trust_remote_code=True,\n        torch_dtype=torch.bfloat16))"
+    assert old in ALPACA_CONFIG
+    sharded = old[:-2] + ",\n        moe_implementation='shard',\n        expert_in_one_shard=8))"
+    text = ALPACA_CONFIG.replace(old, sharded)
+    result = import_config(_config(tmp_path, text))
+    assert not [what for _, what, _ in result.unmapped if "moe_implementation" in what or "expert_in_one" in what]
+    (note,) = [n for n in result.notes if n.startswith("model.llm.moe_implementation = 'shard'")]
+    assert "expert_in_one_shard = 8: not needed: transformers' stacked experts" in note
+    result = import_config(_config(tmp_path, text.replace("'shard'", "'magic'")))
+    assert "model.llm.moe_implementation = 'magic'" in [what for _, what, _ in result.unmapped]
 
 
 def _config(tmp_path: Path, text: str = ALPACA_CONFIG) -> Path:

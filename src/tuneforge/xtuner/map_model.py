@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneforge.xtuner.evaluate import Call
-from tuneforge.xtuner.mapper_base import MapperBase, dtype_name
+from tuneforge.xtuner.mapper_base import MapperBase, dtype_name, shown
 
 PREFERENCE_MODELS = {"DPO": "dpo", "ORPO": "orpo"}
 """xtuner's preference wrappers and the `train.objective` that trains the same loss."""
@@ -20,6 +20,26 @@ REFUSED_MODELS = {
 
 
 class ModelMapping(MapperBase):
+    def map_moe_implementation(self, llm: Call) -> None:
+        """xtuner's `moe_implementation='shard'` regroups the remote code's per-expert modules into shards of
+        `expert_in_one_shard` so that ZeRO-3 gathers a few large pieces instead of 64 small ones. tuneforge gets
+        the same from transformers' own stacked experts, each MoE block gathered whole (`parallel.moe_safety`):
+        nothing to set. It is no expert parallelism (experts sharded across ranks, tokens exchanged)."""
+        implementation = self.take(llm, "moe_implementation")
+        per_shard = self.take(llm, "expert_in_one_shard")
+        if implementation is None:
+            return
+        line = self.line(llm, "moe_implementation")
+        if implementation not in ("shard", "origin"):
+            self.unmapped(line, f"model.llm.moe_implementation = {shown(implementation)}", "not an xtuner value")
+            return
+        self.result.notes.append(
+            f"model.llm.moe_implementation = {implementation!r} (line {line})"
+            + (f", expert_in_one_shard = {per_shard}" if per_shard is not None else "")
+            + ": not needed: transformers' stacked experts are one tensor per MoE block, gathered whole by ZeRO-3 "
+            "and FSDP (parallel.moe_safety); no experts are sharded across ranks either way"
+        )
+
     def map_model(self, model: Call, tokenizer: Any) -> None:
         out = self.section("model")
         llm = self.take(model, "llm")
@@ -40,6 +60,7 @@ class ModelMapping(MapperBase):
             quantization = self.take(llm, "quantization_config")
             if isinstance(quantization, Call):
                 out["quantization"] = self.map_quantization(quantization)
+            self.map_moe_implementation(llm)
             self.leftovers(llm, "model.llm")
         lora = self.take(model, "lora")
         if isinstance(lora, Call):

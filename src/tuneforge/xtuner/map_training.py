@@ -185,6 +185,13 @@ class TrainingMapping(MapperBase):
             if deepspeed not in DEEPSPEED_PRESETS:
                 raise UserError(f"--deepspeed {deepspeed}: not an xtuner preset; one of {', '.join(DEEPSPEED_PRESETS)}")
             self.section("parallel").update(DEEPSPEED_PRESETS[deepspeed])
+            model = self.section("model")
+            if DEEPSPEED_PRESETS[deepspeed]["zero_stage"] == 3 and "quantization" in model and "lora" in model:
+                self.result.notes.append(
+                    f"QLoRA under --deepspeed {deepspeed}: kept as launched; when the k-bit base fits each GPU whole "
+                    "(DeepSeek-V2-Lite's is about 9 GB), parallel.engine=ddp is faster and has no per-layer gathers "
+                    "for a rank to miss: `tuneforge doctor OUT.yaml --nproc-per-node N --gpu GPU` compares both"
+                )
         for name, why in RUNTIME_NOT_NEEDED.items():
             if name in values and name != "train_cfg":
                 self.result.notes.append(f"{name} (line {lines[name]}): not needed: {why}")
