@@ -103,3 +103,20 @@ def test_a_diagnosis_is_shown_as_soon_as_it_is_written_and_watch_exits_with_the_
     assert "tuneforge diagnosis: HANG (mismatch)" in capsys.readouterr().out
     assert main(["watch", str(tmp_path / "nothing")]) == 2
     assert "no such work dir" in capsys.readouterr().err
+
+
+def test_damaged_or_foreign_files_in_a_work_dir_are_left_out_not_a_traceback(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "diagnostics" / "live").mkdir(parents=True)
+    (run / "run.json").write_text("[1, 2]")
+    (run / "diagnostics" / "live" / "rank-0.json").write_text('{"rank": 0, "updated": "yesterday", "limit_s": 30}')
+    (run / "diagnostics" / "live" / "rank-1.json").write_text("{not json")
+    metrics = '{"step": 1, "loss": 2.5, "lr": 0.001}\n[3]\n{"step": "x", "loss": 1}\n{"step": 2'
+    (run / "metrics.jsonl").write_text(metrics)
+    (run / "samples.jsonl").write_text('"just a string"\n')
+    assert main(["watch", str(run), "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "no rank has written a heartbeat yet" in out and "loss 2.5000" in out and "step 1" in out
+    # A place no one may write to, root included (/proc takes no new files).
+    assert main(["recipes", "copy", "llama-3-8b-lora-1gpu", "/proc/tuneforge-recipe.yaml"]) == 2
+    assert "error: /proc/tuneforge-recipe.yaml: cannot write the recipe (" in capsys.readouterr().err

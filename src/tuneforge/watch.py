@@ -65,15 +65,20 @@ def read_run(work_dir: Path) -> RunView:
     if not work_dir.is_dir():
         raise UserError(f"{work_dir}: no such work dir; give the run's --work-dir (default work_dirs/CONFIG_NAME)")
     try:
-        started = json.loads((work_dir / "run.json").read_text(encoding="utf-8")).get("started")
+        record = json.loads((work_dir / "run.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        started = None
+        record = None
+    started = record.get("started") if isinstance(record, dict) else None
+    started = started if isinstance(started, (int, float)) else None
     ranks = []
     for path in sorted((work_dir / "diagnostics" / "live").glob("rank-*.json")):
         try:
-            ranks.append(json.loads(path.read_text(encoding="utf-8")))
+            beat = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):  # being replaced right now: the next refresh reads it
             continue
+        numbers = ("updated", "limit_s")
+        if isinstance(beat, dict) and all(isinstance(beat.get(key), (int, float)) for key in numbers):
+            ranks.append(beat)  # anything else is no heartbeat of ours, and is left out
     report = work_dir / "diagnostics" / REPORT
     diagnosis = None
     if report.is_file() and (started is None or report.stat().st_mtime >= started):
@@ -81,9 +86,13 @@ def read_run(work_dir: Path) -> RunView:
     return RunView(
         work_dir=work_dir,
         started=started,
-        ranks=sorted(ranks, key=lambda rank: rank.get("rank", 0)),
-        metrics=[row for row in _json_lines(work_dir / "metrics.jsonl") if "loss" in row],
-        samples=_json_lines(work_dir / "samples.jsonl"),
+        ranks=sorted(ranks, key=lambda rank: str(rank.get("rank", 0))),
+        metrics=[
+            row
+            for row in _json_lines(work_dir / "metrics.jsonl")
+            if isinstance(row, dict) and isinstance(row.get("loss"), (int, float)) and isinstance(row.get("step"), int)
+        ],
+        samples=[row for row in _json_lines(work_dir / "samples.jsonl") if isinstance(row, dict)],
         diagnosis=diagnosis,
     )
 

@@ -84,5 +84,8 @@ def copy_recipe(recipe: Recipe, destination: Path | None) -> Path:
         raise UserError(f"{target} exists; name another file, or remove it first")
     if not target.parent.is_dir():
         raise UserError(f"{target.parent} is not a directory; create it first")
-    shutil.copyfile(recipe.path, target)
+    try:
+        shutil.copyfile(recipe.path, target)
+    except OSError as exc:  # an unwritable directory, a full disk
+        raise UserError(f"{target}: cannot write the recipe ({exc.strerror or exc}); choose another place") from None
     return target
