@@ -194,6 +194,12 @@ class ParallelConfig(Section):
     fit one device. The data-parallel size is then world size / N: `train.micro_batch_size` is per group of N
     ranks. Needs attention and key/value heads divisible by N, and `model.attn_implementation: sdpa`."""
 
+    expert_parallel: int = Field(1, ge=1)
+    """Shard each MoE layer's routed experts over groups of N ranks and exchange tokens with an all-to-all
+    instead of gathering every expert on every rank (DeepSpeed's AutoEP; `engine: deepspeed`, ZeRO 0-2, full
+    fine-tuning of DeepSeek-V2/V3 models). N divides the world size and the expert count. Checkpoints keep the
+    Hugging Face layout: the experts are gathered when they are written."""
+
     # What each engine cannot do with these settings is the engine's to say: `Engine.setting_problems`, checked
     # when the run chooses its engine.
 

@@ -24,7 +24,12 @@ def choose_engine(requested: str, info: DistInfo, parallel: ParallelConfig | Non
         )
     else:
         chosen = requested
-    if parallel is not None and (problems := engine_class(chosen).setting_problems(parallel)):
+    if parallel is None:
+        return chosen
+    problems = engine_class(chosen).setting_problems(parallel)
+    if parallel.expert_parallel > 1 and not engine_class(chosen).shards_experts:
+        problems.append(f"parallel.expert_parallel needs parallel.engine=deepspeed (DeepSpeed's AutoEP), not {chosen}")
+    if problems:
         raise UserError("; ".join(problems))
     return chosen
 

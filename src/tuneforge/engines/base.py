@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -110,6 +111,9 @@ class Engine(abc.ABC):
     def setting_problems(cls, parallel: ParallelConfig) -> list[str]:
         """What in `parallel` this engine cannot do, one line each with its fix (checked before anything loads)."""
         return []
+
+    shards_experts: ClassVar[bool] = False
+    """Whether `parallel.expert_parallel` can shard the routed experts over ranks on this engine."""
 
     @property
     def name(self) -> str:

@@ -9,8 +9,10 @@ different parameter all-gathers and wait for each other forever (the hang of the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
+from tuneforge.engines.expert_parallel import autoep_section, hugging_face_state_dict
 from tuneforge.errors import UserError
 from tuneforge.model.moe import MoEMap
 from tuneforge.pickle_guard import refuse_unsafe_pickles
@@ -104,11 +107,25 @@ def _load_trainable_weights(src: dict[str, torch.Tensor], dst: torch.nn.Module) 
 class DeepSpeedEngine(Engine):
     scales_fp16_loss = False  # DeepSpeed's own scaler, with the same settings (`fp16_config`)
 
+    shards_experts = True
+
     @classmethod
     def setting_problems(cls, parallel: ParallelConfig) -> list[str]:
+        problems = []
         if parallel.cpu_offload == "all" and parallel.zero_stage != 3:
-            return ["parameter offload needs ZeRO-3: set parallel.zero_stage=3 or cpu_offload=optimizer"]
-        return []
+            problems.append("parameter offload needs ZeRO-3: set parallel.zero_stage=3 or cpu_offload=optimizer")
+        if parallel.expert_parallel > 1:
+            # What tuneforge runs and checkpoints under AutoEP; the rest of AutoEP's matrix is not tested here.
+            if parallel.zero_stage == 3:
+                problems.append(
+                    "parallel.expert_parallel runs with ZeRO 0-2 (the experts are already sharded; ZeRO-3's "
+                    "partitioned experts cannot be written as a Hugging Face checkpoint): set parallel.zero_stage=2"
+                )
+            if parallel.cpu_offload != "none":
+                problems.append("parallel.expert_parallel runs without offload: set parallel.cpu_offload=none")
+            if parallel.sequence_parallel > 1:
+                problems.append("parallel.expert_parallel and parallel.sequence_parallel cannot be combined yet")
+        return problems
 
     @classmethod
     def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:
@@ -143,13 +160,28 @@ class DeepSpeedEngine(Engine):
         """DeepSpeed's own fp16 loss scaler runs (and skips the steps whose gradients overflow)."""
         bf16 = train.precision == "bf16" and info.device.type == "cuda"
         self.config = deepspeed_config(parallel, train, info.world_size, bf16)
+        self.expert_parallel = parallel.expert_parallel
+        if self.expert_parallel > 1:
+            self.config["expert_parallel"] = autoep_section(self.expert_parallel, model.config.model_type)
         self._check_overrides(parallel, train)
         if self.traits.moe_safety and self.moe:
             deepspeed.utils.set_z3_leaf_modules(model, self.moe.block_classes)
         if parallel.cpu_offload != "all":
             model = model.to(info.device)
+        optimizer = make_optimizer(model)
+        parameters = None
+        if self.expert_parallel > 1:
+            # AutoEP replaces the MoE blocks inside initialize, after the optimizer exists: DeepSpeed re-points
+            # the groups' parameters at the new experts, and the optimizer is then built again from them, with
+            # the experts in groups of their own (ZeRO reduces them over the expert-data-parallel ranks only).
+            parameters = [{**group, "name": f"group-{i}"} for i, group in enumerate(optimizer.param_groups)]
+            optimizer = _rebuilt_with_expert_groups(type(optimizer), optimizer.defaults)
         self._engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=make_optimizer(model), config=self.config, dist_init_required=False
+            model=model,
+            optimizer=optimizer,
+            model_parameters=parameters,
+            config=self.config,
+            dist_init_required=False,
         )
 
     def _check_overrides(self, parallel: ParallelConfig, train: TrainConfig) -> None:
@@ -243,10 +275,31 @@ class DeepSpeedEngine(Engine):
             raise ValueError(f"resume: DeepSpeed found no checkpoint in {directory}")
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.expert_parallel > 1:
+            from deepspeed.utils import groups
+
+            group = groups._get_expert_parallel_group(f"ep_size_{self.expert_parallel}")
+            return hugging_face_state_dict(self._engine.module, group, self.info.is_main)
         if not self.traits.sharded:
             return None
         state = self._engine._zero3_consolidated_16bit_state_dict()  # collective: all ranks take part
         return state if self.info.is_main else None
+
+
+def _rebuilt_with_expert_groups(
+    optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]
+) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    # Every group carries its own settings; the constructor's defaults fill what a new group lacks (and some
+    # optimizers keep more in `defaults` than their constructor takes).
+    accepted = inspect.signature(optimizer_class).parameters
+    settings = {key: value for key, value in defaults.items() if key in accepted}
+
+    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        from deepspeed.moe.utils import configure_moe_param_groups
+
+        return optimizer_class(configure_moe_param_groups(groups), **settings)
+
+    return build
 
 
 class HeldWriteErrors:

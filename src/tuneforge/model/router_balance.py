@@ -118,6 +118,12 @@ class RouterBalance:
         for handle in self._handles:
             handle.remove()
 
+    def rehook(self, routers: list[nn.Module]) -> None:
+        """Record from `routers` instead: an engine that replaced the MoE blocks (expert parallelism) has new
+        ones, whose outputs are the same logits."""
+        self.remove()
+        self._handles = [router.register_forward_hook(self._record) for router in routers]
+
 
 def attach_router_balance(
     moe: MoEMap, config: object, requested_coef: float | None

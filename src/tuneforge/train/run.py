@@ -24,6 +24,7 @@ from tuneforge.diagnostics.stacks import exception_site
 from tuneforge.distributed import DistInfo, Layout, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
 from tuneforge.engines import EngineTraits, build_engine, choose_engine, engine_traits
+from tuneforge.engines.expert_parallel import expert_parallel_problems, expert_parallel_routers
 from tuneforge.errors import UserError
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model import packed_attention
@@ -211,12 +212,19 @@ def setup(
     if cfg.train.compile:
         traits.check_compile()
         check_compiler(info.device)
+    if cfg.parallel.expert_parallel > 1:  # refused before the model loads, from its config
+        problems, layout_line = expert_parallel_problems(cfg, model_config(cfg.model, tokenizer), info.world_size)
+        if problems:
+            raise UserError("\n".join(problems))
+        say(layout_line)
     watchdog.beat("model", training=False)
     model, moe, balance, flops_per_token = trainable_model(cfg, tokenizer, info, work_dir, traits, say)
     seed_everything(cfg.train.seed)
     engine = build_engine(
         engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe
     )
+    if cfg.parallel.expert_parallel > 1 and balance is not None:
+        balance.rehook(expert_parallel_routers(engine.unwrapped))  # the engine replaced the MoE blocks
     if layout.size > 1 and getattr(model.config, "_attn_implementation", None) != packed_attention.NAME:
         raise UserError(
             "parallel.sequence_parallel: this model does not use transformers' attention interface (remote code "

@@ -1,0 +1,94 @@
+"""Expert parallelism through DeepSpeed's AutoEP: each MoE layer's routed experts sharded over groups of
+`parallel.expert_parallel` ranks, tokens sent to their experts' ranks by all-to-all. What qualifies is decided
+from the model's config before it loads; checkpoints are written back in the Hugging Face layout (the experts
+gathered from the group, AutoEP's names mapped to the model's own), so `from_pretrained` reads them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tuneforge.config.schema import Config
+
+PRESETS = {"deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts"}
+"""Model types AutoEP has a preset for that run with this transformers, and the config field of their
+routed-expert count."""
+
+REFUSED_PRESETS = {
+    "qwen3_moe": "num_experts",
+    "qwen2_moe": "num_experts",
+    "qwen3_5_moe": "num_experts",
+    "mixtral": "num_local_experts",
+}
+"""DeepSpeed 0.19's presets for these call `registry.get(key, default)` on a transformers registry whose
+`get` takes one argument since transformers 5.2x: `deepspeed.initialize` fails with a TypeError."""
+
+LAYER_CLASS = "AutoEPMoELayer"
+
+
+def expert_parallel_problems(cfg: Config, model_config: Any, world_size: int) -> tuple[list[str], str]:
+    """What refuses `parallel.expert_parallel` for this model and launch, one line each with the fix, and the
+    layout line the run prints when nothing does."""
+    size = cfg.parallel.expert_parallel
+    if size == 1:
+        return [], ""
+    model_type = getattr(model_config, "model_type", "?")
+    problems = []
+    if model_type in REFUSED_PRESETS:
+        problems.append(
+            f"parallel.expert_parallel: DeepSpeed's AutoEP preset for {model_type} fails with this transformers "
+            "version (it calls a registry method transformers changed); train it with parallel.engine=fsdp or "
+            "deepspeed ZeRO-3 without expert parallelism"
+        )
+    elif model_type not in PRESETS:
+        problems.append(
+            f"parallel.expert_parallel: DeepSpeed's AutoEP has no preset for {model_type} models (it has "
+            f"{', '.join(sorted(PRESETS))}); set parallel.expert_parallel=1"
+        )
+    experts = getattr(model_config, {**PRESETS, **REFUSED_PRESETS}.get(model_type, "n_routed_experts"), None)
+    if isinstance(experts, int) and experts % size:
+        problems.append(f"parallel.expert_parallel={size} does not divide the model's {experts} routed experts")
+    if world_size % size:
+        problems.append(f"parallel.expert_parallel={size} does not divide the {world_size} processes launched")
+    if cfg.model.lora is not None:
+        problems.append(
+            "parallel.expert_parallel: LoRA under expert parallelism is not supported (AutoEP rebuilds the expert "
+            "weights, which would drop adapters on them, and DeepSpeed cannot checkpoint frozen expert partitions); "
+            "train all weights, or keep LoRA without it: parallel.engine=ddp with a 4-bit base, or ZeRO-3"
+        )
+    if problems or not isinstance(experts, int):
+        return problems, ""
+    return [], f"experts: {experts} per layer over {size} ranks, {experts // size} each (DeepSpeed AutoEP)"
+
+
+def autoep_section(size: int, model_type: str) -> dict[str, Any]:
+    """DeepSpeed's `expert_parallel` config section."""
+    return {"enabled": True, "autoep_size": size, "preset_model": model_type}
+
+
+def hugging_face_state_dict(model: nn.Module, group: Any, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """The model's weights under its own (Hugging Face) names, each AutoEP layer's local experts gathered
+    from the expert-parallel `group` and stacked as the model stores them (`gate_up_proj` = gate then up
+    projections, `down_proj`), the router under its own name. A collective of the group: every rank calls it;
+    rank 0 gets the weights, the others None."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    layers = [name for name, module in model.named_modules() if type(module).__name__ == LAYER_CLASS]
+    for prefix in layers:
+        gathered = {}
+        for part in ("w1", "w2", "w3"):
+            local = state.pop(f"{prefix}.experts.{part}").contiguous()
+            pieces = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+            torch.distributed.all_gather(pieces, local, group=group)
+            gathered[part] = torch.cat(pieces)
+        state[f"{prefix}.experts.gate_up_proj"] = torch.cat([gathered["w1"], gathered["w3"]], dim=1)
+        state[f"{prefix}.experts.down_proj"] = gathered["w2"]
+        for name in [key for key in state if key.startswith(f"{prefix}.router.")]:
+            state[f"{prefix}.{name.removeprefix(f'{prefix}.router.')}"] = state.pop(name)
+    return state if is_main else None
+
+
+def expert_parallel_routers(model: nn.Module) -> list[nn.Module]:
+    """The router gates (the linear layers giving the routing logits) of AutoEP's layers, in model order."""
+    return [module.router.gate for module in model.modules() if type(module).__name__ == LAYER_CLASS]

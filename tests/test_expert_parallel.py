@@ -1,0 +1,134 @@
+"""Expert parallelism (DeepSpeed's AutoEP) through the real launcher on 2 gloo ranks: a tiny DeepseekV2 with its
+4 routed experts split 2 per rank trains exactly as one process does, its checkpoints are Hugging Face models,
+a killed run resumes to the uninterrupted result, and a rank missing from the token exchange is diagnosed. What
+cannot run is refused before the model loads, with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tuneforge.config.schema import Config
+from tuneforge.distributed import DistInfo
+from tuneforge.engines import choose_engine
+from tuneforge.engines.expert_parallel import expert_parallel_problems
+from tuneforge.errors import UserError
+
+from conftest import TINY_MODELS, chat, launch, metrics, write_jsonl
+
+CONFIG = f"""\
+model: {TINY_MODELS["deepseek_v2"]}
+data: {{train_files: [train.jsonl], cache_dir: null}}
+train: {{lr: 3.0e-3, micro_batch_size: 2, gradient_accumulation: 2, max_steps: 4, precision: fp32, seed: 3}}
+checkpoint: {{every_steps: 2, keep_last: 2}}
+parallel: {{engine: deepspeed, zero_stage: 2, expert_parallel: 2}}
+watchdog: {{startup_timeout_s: 120, stall_timeout_s: 8, report_grace_s: 3}}
+log: {{progress: lines, plot: false}}
+"""
+
+
+def write_job(directory) -> None:
+    write_jsonl(directory / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(40)])
+    (directory / "cfg.yaml").write_text(CONFIG)
+
+
+def weights(checkpoint) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ep")
+    write_job(directory)
+    result = launch(directory / "cfg.yaml", directory / "run", ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory, result
+
+
+@pytest.mark.slow
+def test_two_ranks_with_experts_split_between_them_train_as_one_process(expert_parallel_run, tmp_path):
+    directory, result = expert_parallel_run
+    assert "experts: 4 per layer over 2 ranks, 2 each (DeepSpeed AutoEP)" in result.stdout
+    one = launch(directory / "cfg.yaml", tmp_path / "one", "parallel.engine=single", "parallel.expert_parallel=1",
+                 "train.micro_batch_size=4")  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    split, whole = metrics(directory / "run"), metrics(tmp_path / "one")
+    for key in ("loss", "router_aux_loss", "grad_norm"):
+        assert [r[key] for r in split] == pytest.approx([r[key] for r in whole], rel=1e-5, abs=1e-6), key
+    # The checkpoint is the model's own layout: experts gathered from both ranks, the router under its name.
+    final = directory / "run" / "checkpoints" / "final"
+    assert_same_weights(weights(final), weights(tmp_path / "one" / "checkpoints" / "final"), 1e-5)
+
+
+@pytest.mark.slow
+def test_a_killed_expert_parallel_run_resumes_to_the_uninterrupted_result(expert_parallel_run, tmp_path):
+    directory, _ = expert_parallel_run
+    killed = launch(directory / "cfg.yaml", tmp_path / "run", ranks=2, fault="kill:1:3")
+    assert killed.returncode != 0
+    resumed = launch(directory / "cfg.yaml", tmp_path / "run", "--resume", "auto", ranks=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step 2 of 4" in resumed.stdout
+    assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in metrics(directory / "run")]
+    final = directory / "run" / "checkpoints" / "final"
+    assert_same_weights(weights(tmp_path / "run" / "checkpoints" / "final"), weights(final), 0.0)
+
+
+@pytest.mark.slow
+def test_a_rank_missing_from_the_token_exchange_is_diagnosed(tmp_path):
+    """Rank 1 stalls loading step 3's data; rank 0 waits in the step's first collective, the all-to-all that
+    sends tokens to the experts' ranks, which the report names with its MoE block."""
+    write_job(tmp_path)
+    result = launch(tmp_path / "cfg.yaml", tmp_path / "run", ranks=2, fault="sleep_data:1:3:120", timeout=200)
+    assert result.returncode != 0
+    report = (tmp_path / "run" / "diagnostics" / "report.txt").read_text()
+    assert report.startswith("tuneforge diagnosis: HANG"), report
+    waiting = next(line for line in report.splitlines() if line.strip().startswith("rank 0"))
+    assert "all_to_all_single" in waiting and "model.layers.1.mlp" in waiting, report
+
+
+def config(**parallel) -> Config:
+    return Config.model_validate(
+        {"model": {"architecture": "deepseek_v2", "tokenizer": "bytes"}, "data": {"train_files": ["x.jsonl"]},
+         "parallel": {"engine": "deepspeed", "zero_stage": 2, **parallel}}
+    )  # fmt: skip
+
+
+class ModelConfig:
+    def __init__(self, model_type: str, **fields):
+        self.model_type = model_type
+        self.__dict__.update(fields)
+
+
+def test_what_expert_parallelism_cannot_run_is_refused_before_the_model_loads():
+    deepseek = ModelConfig("deepseek_v2", n_routed_experts=64)
+    assert expert_parallel_problems(config(expert_parallel=2), deepseek, 8) == (
+        [],
+        "experts: 64 per layer over 2 ranks, 32 each (DeepSpeed AutoEP)",
+    )
+    assert expert_parallel_problems(config(), deepseek, 8) == ([], "")
+    problems, _ = expert_parallel_problems(config(expert_parallel=3), deepseek, 8)
+    assert problems == [
+        "parallel.expert_parallel=3 does not divide the model's 64 routed experts",
+        "parallel.expert_parallel=3 does not divide the 8 processes launched",
+    ]
+    (problem,) = expert_parallel_problems(config(expert_parallel=2), ModelConfig("llama"), 2)[0]
+    assert problem.startswith("parallel.expert_parallel: DeepSpeed's AutoEP has no preset for llama models")
+    (problem,) = expert_parallel_problems(config(expert_parallel=2), ModelConfig("qwen3_moe", num_experts=4), 2)[0]
+    assert "AutoEP preset for qwen3_moe fails with this transformers version" in problem
+    lora = Config.model_validate({**config(expert_parallel=2).model_dump(), "model": {
+        "architecture": "deepseek_v2", "tokenizer": "bytes", "lora": {"r": 8}}})  # fmt: skip
+    (problem,) = expert_parallel_problems(lora, deepseek, 2)[0]
+    assert problem.startswith("parallel.expert_parallel: LoRA under expert parallelism is not supported")
+
+    two = DistInfo(0, 2, 0, torch.device("cpu"))
+    with pytest.raises(UserError, match=r"parallel\.expert_parallel needs parallel\.engine=deepspeed .*, not ddp"):
+        choose_engine("ddp", two, config(expert_parallel=2).parallel)
+    with pytest.raises(UserError, match=r"parallel\.expert_parallel runs with ZeRO 0-2"):
+        choose_engine("deepspeed", two, config(expert_parallel=2, zero_stage=3).parallel)
