@@ -93,6 +93,20 @@ def test_a_rank_missing_from_the_token_exchange_is_diagnosed(tmp_path):
     assert "all_to_all_single" in waiting and "model.layers.1.mlp" in waiting, report
 
 
+@pytest.mark.slow
+def test_autoep_switched_on_behind_the_runs_back_is_refused_with_the_setting_to_use(tmp_path):
+    write_job(tmp_path)
+    (tmp_path / "ep.json").write_text('{"expert_parallel": {"enabled": true, "autoep_size": 2}}')
+    result = launch(tmp_path / "cfg.yaml", tmp_path / "run", "parallel.expert_parallel=1",
+                    f"parallel.deepspeed_config={tmp_path / 'ep.json'}", ranks=2)  # fmt: skip
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: parallel.deepspeed_config sets expert_parallel; set parallel.expert_parallel instead (the run "
+        "checks the model for it, builds the optimizer's expert groups and gathers experts on save)"
+    ]
+
+
 def config(**parallel) -> Config:
     return Config.model_validate(
         {"model": {"architecture": "deepseek_v2", "tokenizer": "bytes"}, "data": {"train_files": ["x.jsonl"]},

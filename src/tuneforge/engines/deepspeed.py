@@ -22,7 +22,7 @@ from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
 from tuneforge.engines.expert_parallel import autoep_section, hugging_face_state_dict
-from tuneforge.errors import UserError
+from tuneforge.errors import SharedUserError, UserError
 from tuneforge.model.moe import MoEMap
 from tuneforge.pickle_guard import refuse_unsafe_pickles
 
@@ -162,7 +162,9 @@ class DeepSpeedEngine(Engine):
         self.config = deepspeed_config(parallel, train, info.world_size, bf16)
         self.expert_parallel = parallel.expert_parallel
         if self.expert_parallel > 1:
-            self.config["expert_parallel"] = autoep_section(self.expert_parallel, model.config.model_type)
+            # Keys of AutoEP's own from parallel.deepspeed_config (use_grouped_mm, ...) are kept over ours.
+            ours = autoep_section(self.expert_parallel, model.config.model_type)
+            self.config["expert_parallel"] = {**ours, **self.config.get("expert_parallel", {})}
         self._check_overrides(parallel, train)
         if self.traits.moe_safety and self.moe:
             deepspeed.utils.set_z3_leaf_modules(model, self.moe.block_classes)
@@ -186,24 +188,31 @@ class DeepSpeedEngine(Engine):
 
     def _check_overrides(self, parallel: ParallelConfig, train: TrainConfig) -> None:
         """Settings the run relies on must come from our config, where the doctor and the loop see them; and
-        DeepSpeed's own refusals, said in our terms before it raises them."""
+        DeepSpeed's own refusals, said in our terms before it raises them. Every rank finds the same, so rank 0
+        alone says it."""
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
         if train.precision == "fp16" and not accelerator.is_fp16_supported():
-            raise UserError(
+            raise SharedUserError(
                 f"train.precision=fp16: DeepSpeed's {accelerator.device_name()} accelerator has no fp16 on this "
                 "machine (on CPU it needs fp16 support in oneDNN); use train.precision=bf16 or fp32, or "
                 "parallel.engine=fsdp, which scales fp16 losses itself"
             )
         merged_stage = self.config["zero_optimization"].get("stage", parallel.zero_stage)
         if merged_stage != parallel.zero_stage:
-            raise UserError(
+            raise SharedUserError(
                 f"parallel.deepspeed_config sets zero_optimization.stage={merged_stage}; set parallel.zero_stage "
                 "instead (the doctor, the MoE safety and checkpoints follow it)"
             )
+        merged_experts = self.config.get("expert_parallel", {})
+        if merged_experts.get("enabled") and merged_experts.get("autoep_size", 1) != parallel.expert_parallel:
+            raise SharedUserError(
+                "parallel.deepspeed_config sets expert_parallel; set parallel.expert_parallel instead (the run "
+                "checks the model for it, builds the optimizer's expert groups and gathers experts on save)"
+            )
         if self.config["gradient_clipping"] != train.max_grad_norm:
-            raise UserError(
+            raise SharedUserError(
                 f"parallel.deepspeed_config sets gradient_clipping={self.config['gradient_clipping']}; set "
                 "train.max_grad_norm instead"
             )
