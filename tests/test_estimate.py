@@ -14,6 +14,7 @@ from tuneforge.doctor import PASS, WARN, check_estimate, read_model_config
 from tuneforge.engines import engine_traits
 from tuneforge.estimate import ACCELERATORS, kbit_bytes
 from tuneforge.estimate import estimate as estimate_for_traits
+from tuneforge.estimate.timing import NVLINK_BYTES_PER_S
 from tuneforge.model.moe import find_moe
 from tuneforge.model.quantize import quantized_linears
 from tuneforge.recipes import MODEL_SHAPES, RECIPES
@@ -298,3 +299,39 @@ def test_the_staging_rule_and_its_host_ram_check():
     check_host_room("auto", 85 * gib, 77 * gib, 200 * gib, 2)
     with pytest.raises(UserError, match=r"needs 8 x 85\.0 GiB \(a copy per rank on this node\), 200\.0 GiB are"):
         check_host_room("auto", 85 * gib, 77 * gib, 200 * gib, 8)
+
+
+def test_expert_parallelism_holds_a_share_of_the_experts_and_pays_their_all_to_all(deepseek):
+    """Full fine-tuning of DeepSeek-V2-Lite on 8 ranks, ZeRO-2: with the experts over 8 ranks each holds 1/8 of
+    their weights (gradients and optimizer state are sharded the same either way) and sends every token's top-6
+    copies to their ranks and back, forward, backward and in the recompute."""
+    full = {"train": {"gradient_checkpointing": True}, "data": {"train_files": ["x.jsonl"], "max_length": 4096}}
+    plain = estimate(config(parallel={"engine": "deepspeed", "zero_stage": 2}, **full), deepseek, "deepspeed", 8, H100)
+    split = config(parallel={"engine": "deepspeed", "zero_stage": 2, "expert_parallel": 8}, **full)
+    ep = estimate(split, deepseek, "deepspeed", 8, H100)
+    moe = find_moe(deepseek)
+    routed = sum(deepseek.get_parameter(f"{b.experts_path}.{name}").numel() for b in moe for name, _ in b.expert_shapes)
+    saved = row(plain, "trainable").gpu - row(ep, "trainable").gpu
+    assert saved == pytest.approx(routed * 7 / 8 * 2, rel=1e-6)  # bf16 weights under DeepSpeed's cast
+    assert row(ep, "gradients").gpu == row(plain, "gradients").gpu
+    assert row(ep, "optimizer").gpu == row(plain, "optimizer").gpu
+    exchange = dict((what, seconds) for what, seconds, _ in ep.times)["expert all-to-all"]
+    tokens = 4096  # one micro-batch of one row of 4,096 per step (the defaults)
+    assert exchange == pytest.approx(tokens * 26 * 6 * 2048 * 2 * 6 * 7 / 8 / NVLINK_BYTES_PER_S, rel=1e-6)
+    assert "expert all-to-all" not in dict((what, s) for what, s, _ in plain.times)
+
+
+def test_the_doctor_names_expert_parallelism_for_full_fine_tuning_of_an_moe_under_zero3(tmp_path, capsys):
+    job = tmp_path / "full.yaml"
+    job.write_text(
+        "model: {path: deepseek-ai/DeepSeek-V2-Lite-Chat, dtype: bfloat16}\n"
+        "data: {train_files: [chat.jsonl], max_length: 4096, packing: true}\n"
+        "train: {micro_batch_size: 1, gradient_accumulation: 8, gradient_checkpointing: true, precision: bf16}\n"
+        "parallel: {engine: deepspeed, zero_stage: 3}\n"
+    )
+    shapes = str(MODELS / "deepseek-v2-lite-chat.config.json")
+    main(["doctor", str(job), "--nproc-per-node", "8", "--gpu", "h100", "--model-config", shapes])
+    out = capsys.readouterr().out
+    assert "fix: parallel.engine=deepspeed zero_stage=2 expert_parallel=8: 8 of the 64 experts per rank" in out
+    main(["doctor", str(job), "--nproc-per-node", "8", "--gpu", "h100", "--model-config", shapes, "model.lora.r=8"])
+    assert "expert_parallel=" not in capsys.readouterr().out  # LoRA: AutoEP cannot keep adapters on experts

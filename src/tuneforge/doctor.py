@@ -21,6 +21,7 @@ from tuneforge.config.schema import Config, LoraSettings
 from tuneforge.data.conversation import Conversation, Turn
 from tuneforge.data.templates import TOKENIZER, get_template
 from tuneforge.engines import EngineTraits, engine_traits
+from tuneforge.engines.expert_parallel import PRESETS
 from tuneforge.errors import UserError
 from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_estimate, local_accelerator
 from tuneforge.model.adapters import resolve_lora_targets
@@ -415,6 +416,49 @@ def _replica_fix(
     )
 
 
+def _expert_parallel_fix(
+    cfg: Config,
+    est: Estimate,
+    skeleton: nn.Module,
+    world_size: int,
+    accelerator: Accelerator,
+    moe: MoEMap,
+    gpus_per_node: int | None,
+    num_samples: int | None,
+) -> str | None:
+    """Full fine-tuning of an MoE model AutoEP can shard, without expert parallelism: the same job with the
+    experts spread over the most ranks of a node that divide their count (DeepSpeed ZeRO-2), when the estimate
+    says it is faster and fits."""
+    model_type = getattr(skeleton.config, "model_type", "")
+    experts = getattr(skeleton.config, PRESETS.get(model_type, ""), None)
+    if (
+        cfg.parallel.expert_parallel > 1
+        or cfg.model.lora is not None
+        or not moe
+        or not isinstance(experts, int)
+        or world_size == 1
+        or est.step_s is None
+    ):
+        return None
+    node = min(gpus_per_node or world_size, world_size)
+    size = max(n for n in range(1, node + 1) if experts % n == 0 and world_size % n == 0)
+    if size == 1:
+        return None
+    parallel = cfg.parallel.model_copy(
+        update={"engine": "deepspeed", "zero_stage": 2, "cpu_offload": "none", "expert_parallel": size}
+    )
+    sharded = cfg.model_copy(update={"parallel": parallel})
+    traits = engine_traits("deepspeed", parallel, cfg.train)
+    ep = estimate(sharded, skeleton, traits, world_size, accelerator, moe, gpus_per_node, num_samples)
+    if not ep.fits or ep.step_s is None or (est.fits and ep.step_s >= est.step_s):
+        return None
+    return (
+        f"parallel.engine=deepspeed zero_stage=2 expert_parallel={size}: {experts // size} of the {experts} experts "
+        f"per rank, tokens sent to them ({ep.gpu_bytes / GIB:.1f} GiB per GPU against {est.gpu_bytes / GIB:.1f}; "
+        f"{ep.step_s:.1f} s per step against {est.step_s:.1f})"
+    )
+
+
 def check_estimate(
     cfg: Config,
     traits: EngineTraits,
@@ -479,6 +523,8 @@ def check_estimate(
         fixes.append("model.lora.experts=false (adapters on attention, dense MLP and shared experts)")
     if replica := _replica_fix(cfg, traits, est, skeleton, world_size, accelerator, moe, gpus_per_node, num_samples):
         fixes.append(replica)
+    if sharded := _expert_parallel_fix(cfg, est, skeleton, world_size, accelerator, moe, gpus_per_node, num_samples):
+        fixes.append(sharded)
     status = WARN if fixes else PASS
     return [memory, Check("time estimate", status, detail, "; ".join(fixes))]
 

@@ -80,9 +80,15 @@ def memory_use(
         base_label = (
             f"base weights: {count_label(s.quantized)} {quantization.bits}-bit + {count_label(s.frozen)} {frozen_dtype}"
         )
+    # Expert parallelism keeps 1/N of the routed experts' weights on each rank (their gradients and optimizer
+    # state are then sharded over the ranks that hold the same experts: the same share as without it).
+    held = s.trainable - s.routed_trainable * (1 - 1 / par.expert_parallel)
+    held_note = f", experts 1/{par.expert_parallel}" if par.expert_parallel > 1 else ""
     rows = [
         place(base_label, s.quantized * kbit + s.frozen * frozen_bytes, 3, offload_weights),
-        place(f"trainable: {count_label(s.trainable)} ({weight_b} B each)", s.trainable * weight_b, 3, offload_weights),
+        place(
+            f"trainable: {count_label(s.trainable)} ({weight_b} B each{held_note})", held * weight_b, 3, offload_weights
+        ),
         place("gradients", s.trainable * grad_b, 2, offload_optimizer),  # DeepSpeed keeps them with the optimizer
         place(f"optimizer: AdamW {optim_what}", s.trainable * optim_b, 1, offload_optimizer),
     ]

@@ -51,6 +51,11 @@ class ModelShapes:
     act_total: float
     """Activation bytes per token per compute byte, summed over layers (no checkpointing)."""
     act_max_layer: float
+    routed_trainable: int = 0
+    """Trainable values of the routed experts (full fine-tuning): what expert parallelism shards."""
+    moe_layers: int = 0
+    top_k: int = 0
+    """Experts each token is sent to, per MoE layer (the all-to-all's copies of it)."""
 
 
 def _routed_parameters(model: nn.Module, moe: MoEMap) -> Iterator[tuple[MoEBlock, nn.Parameter]]:
@@ -164,6 +169,9 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
         outside_layers=sum(p.numel() for p in params) - in_layers,
         act_total=sum(per_layer),
         act_max_layer=max(per_layer),
+        routed_trainable=sum(p.numel() for p in params if id(p) in routed_ids and id(p) in trainable_ids),
+        moe_layers=len(list(moe)),
+        top_k=int(moe.top_k or 0),
     )
 
 

@@ -83,9 +83,21 @@ def step_times(
             collective += micro * GATHER_PASSES * gather_bytes * spread
         reductions = micro if traits.reduces_every_micro_batch else 1  # FSDP and DDP sync at the last micro-batch
         all_reduce = not traits.shards_anything  # an all-reduce moves twice a reduce-scatter's bytes
-        collective += reductions * s.trainable * grad_bytes * spread * (2 if all_reduce else 1)
+        # Under expert parallelism each rank reduces only its own experts' gradients (with the ranks that hold them).
+        reduced = s.trainable - s.routed_trainable * (1 - 1 / par.expert_parallel)
+        collective += reductions * reduced * grad_bytes * spread * (2 if all_reduce else 1)
         collective /= bandwidth
         times.append(("collectives", collective, "overlap compute (prefetch)"))
+    experts = par.expert_parallel
+    if experts > 1 and s.moe_layers:
+        # Per MoE layer and micro-batch: each token's top-k copies sent to their experts' ranks and the results
+        # sent back, forward and again for the gradients backward (and the recompute); (N-1)/N leaves the rank.
+        sends = 2 * (2 + (1 if train.gradient_checkpointing else 0))
+        exchanged = micro * tokens_micro * s.moe_layers * s.top_k * s.hidden * compute_bytes * sends
+        exchanged *= (experts - 1) / experts
+        bandwidth = NVLINK_BYTES_PER_S if experts <= per_node else NETWORK_BYTES_PER_S
+        times.append(("expert all-to-all", exchanged / bandwidth, f"{experts} ranks per expert group, not overlapped"))
+        gpu_s += exchanged / bandwidth
     if split > 1:
         # Per layer and micro-batch: q, k, v and the output exchanged forward, their gradients backward (about 4
         # hidden-sized vectors per token each way), (N-1)/N of it leaving the rank; on the critical path.
