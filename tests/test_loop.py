@@ -106,3 +106,57 @@ def test_warmup_from_ratio_or_steps():
 def test_last_step_of_an_epoch_takes_the_remainder():
     assert steps_per_epoch(16, 4) == 4
     assert steps_per_epoch(17, 4) == 5
+
+
+def test_a_whole_step_reads_tensor_values_on_the_host_once(tokenizer, monkeypatch):
+    """The CPU form of the CUDA sync test: every way Python reads a tensor's value (`item`, `tolist`, `float`,
+    `int`, `bool`, `numpy`) is counted, with where it came from, over two micro-batches of an MoE model with its
+    router balance loss and the optimizer step. Only the step's one read of its sums and gradient norm remains;
+    transformers' mask preparation (its packed-sequence check, once per forward) is its own."""
+    import traceback
+
+    from tuneforge.config.schema import TrainConfig
+    from tuneforge.data.batching import collate
+    from tuneforge.engines.single import SingleEngine
+    from tuneforge.model.moe import find_moe
+    from tuneforge.model.quantized_experts import register_experts_implementation
+    from tuneforge.model.router_balance import attach_router_balance
+    from tuneforge.train.loop import accumulate_gradients
+    from tuneforge.train.objectives import build_objective
+    from tuneforge.train.optim import build_optimizer
+
+    from conftest import tiny_qwen3_moe
+
+    model = tiny_qwen3_moe(tokenizer)
+    model.set_experts_implementation(register_experts_implementation())
+    balance, _ = attach_router_balance(find_moe(model), model.config, 0.01)
+    engine = SingleEngine(model, lambda m: build_optimizer(m, TrainConfig(precision="fp32")))
+    objective = build_objective(engine, "fp32", balance)
+    data = tokenized(tokenizer, [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("c", "mid")])
+    batches = [collate(data, [[0, 1]], tokenizer.pad_token_id, packed=True), collate(data, [[2]], 0, packed=True)]
+    accumulate_gradients(engine, batches, objective).read(engine.step(1e-4, 1.0))  # warm-up
+
+    reads: list[str] = []
+    for method in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0]
+            reads.append(f"{_method} at {caller.filename.rsplit('/', 1)[-1]}:{caller.lineno}: {caller.line}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    step = accumulate_gradients(engine, batches, objective)
+    norm = engine.step(1e-4, 1.0)
+    host_side = (
+        "(self.targets != IGNORE_INDEX).sum()",  # the batch's own counts: collated on the host, never on a GPU
+        "self.attention_mask.sum()",
+        "float(token_mask.sum())",  # the router balance's token count, from the same host batch
+        "bool(tiny.any())",  # the fused loss's CPU-only path (probabilities written over the logits)
+    )
+    during = [read for read in reads if "masking_utils.py" not in read and not any(h in read for h in host_side)]
+    masks = sum("masking_utils.py" in read for read in reads)
+    (loss,) = step.read(norm)
+    monkeypatch.undo()
+    assert during == [] and masks <= len(batches), reads
+    assert loss > 0 and step.router_aux_loss is not None
