@@ -32,8 +32,8 @@ def job(directory: Path, args: argparse.Namespace) -> Path:
     rows = [
         {
             "messages": [
-                {"role": "user", "content": f"question {i} " * 20},
-                {"role": "assistant", "content": f"{i * 7} " * 30},
+                {"role": "user", "content": f"question {i} " * 8},
+                {"role": "assistant", "content": f"{i * 7} " * 15},
             ]
         }
         for i in range(400)
@@ -58,7 +58,10 @@ def job(directory: Path, args: argparse.Namespace) -> Path:
 
 
 def run(config: Path, work_dir: Path, overrides: list[str]) -> dict[str, float]:
-    command = [shutil.which("tuneforge") or "tuneforge", "train", str(config), "--work-dir", str(work_dir)]
+    # The launcher beside this interpreter (a virtual environment's bin/), else the one on PATH.
+    beside = Path(sys.executable).parent / "tuneforge"
+    launcher = str(beside) if beside.exists() else shutil.which("tuneforge") or "tuneforge"
+    command = [launcher, "train", str(config), "--work-dir", str(work_dir)]
     command += ["--nproc-per-node", "2", *overrides]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
