@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/tuneforge train configs/demo.yaml
-	$(VENV)/bin/tuneforge chat work_dirs/demo/checkpoints/final --prompt "Convert #ff8800 to RGB."
+	$(VENV)/bin/tuneforge chat work_dirs/demo/checkpoints/final --prompt "#ff8800"
 
 test: $(STAMP) lint
 	$(VENV)/bin/pytest -q

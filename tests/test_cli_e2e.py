@@ -20,7 +20,7 @@ OVERRIDES = [
     "checkpoint.every_steps=20",
     "eval.sample_every_steps=20",
 ]
-PROMPT = "Convert #ff8800 to RGB."
+PROMPT = "#ff8800"
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ Outputs go to the work dir (default work_dirs/<config name>): config.yaml, metri
 samples.jsonl, eval.json and checkpoints/step-N/ and checkpoints/final/ in Hugging Face format."""
 
 CHAT_EXAMPLES = """examples:
-  tuneforge chat work_dirs/demo/checkpoints/final --prompt "Convert #ff8800 to RGB."
+  tuneforge chat work_dirs/demo/checkpoints/final --prompt "#ff8800"
   tuneforge chat work_dirs/demo/checkpoints/step-500          (interactive)
   tuneforge chat work_dirs/qlora/checkpoints/final            (an adapter: its base is loaded as in training)
   tuneforge chat exported/merged                              (a model written by tuneforge export --merge)"""
