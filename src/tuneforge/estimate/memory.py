@@ -51,20 +51,29 @@ def memory_use(
     gpu_capacity: float = float("inf"),
 ) -> Memory:
     """Where every byte of a training step lives, for `world_size` ranks with `per_node` to a node."""
-    par, train, quantization = cfg.parallel, cfg.train, cfg.model.quantization
-    mixed = compute_bytes == 2
-    deepspeed_cast = traits.casts_parameters and mixed  # DeepSpeed casts every parameter to the compute dtype
+    state, weight_b = state_rows(cfg, s, traits, world_size, per_node, compute_bytes, kbit)
+    rows = [*state, *expert_rows(cfg, s, compute_bytes), *activation_rows(cfg, s, traits, compute_bytes)]
+    rows.append(Row("CUDA context, NCCL, fragmentation", CUDA_OVERHEAD_GIB * GIB))
+    load_gpu, load_host = loading_bytes(cfg, s, traits, per_node, kbit, gpu_capacity)
+    return Memory(rows, load_gpu, load_host, weight_b)
+
+
+def state_rows(
+    cfg: Config, s: ModelShapes, traits: EngineTraits, world_size: int, per_node: int, compute_bytes: int, kbit: float
+) -> tuple[list[Row], int]:
+    """Weights, gradients and optimizer state where the engine keeps them (sharded from their ZeRO stage on,
+    offloaded to host RAM), the layers a sharding engine gathers; and the bytes per trainable value."""
+    par, quantization = cfg.parallel, cfg.model.quantization
+    deepspeed_cast = traits.casts_parameters and compute_bytes == 2  # DeepSpeed casts every parameter
     model_bytes = DTYPE_BYTES[cfg.model.dtype]
     # PEFT's k-bit preparation upcasts what is not quantized to fp32; DeepSpeed then casts it back.
     frozen_bytes = 2 if deepspeed_cast else 4 if quantization is not None else model_bytes
-
-    sharded_engine = traits.shards_anything
     stage = traits.shard_stage
     offload_weights = par.cpu_offload == "all"
     offload_optimizer = par.cpu_offload != "none"
 
     def place(label: str, total: float, min_stage: int, offloaded: bool) -> Row:
-        per_rank = total / world_size if sharded_engine and stage >= min_stage else total
+        per_rank = total / world_size if traits.shards_anything and stage >= min_stage else total
         return Row(label, 0.0, per_rank * per_node) if offloaded else Row(label, per_rank)
 
     if deepspeed_cast:
@@ -98,10 +107,16 @@ def memory_use(
         gathered = GATHERED_LAYERS * (s.layer_quantized * kbit + s.layer_other * compute_bytes)
         gathered += s.outside_layers * compute_bytes
         rows.append(Row(f"gathered for compute: {GATHERED_LAYERS} layers + embeddings/head", gathered))
-    checkpointing = train.gradient_checkpointing
+    return rows, weight_b
+
+
+def expert_rows(cfg: Config, s: ModelShapes, compute_bytes: int) -> list[Row]:
+    """Stacked experts formed in full for a pass: adapters in PEFT's W + B@A form, 4-bit stacks dequantized."""
+    rows = []
+    quantization, train = cfg.model.quantization, cfg.train
     if s.stacked_adapted:
         per_layer = s.stacked_adapted / s.stacked_layers
-        kept = 1 if checkpointing else s.stacked_layers
+        kept = 1 if train.gradient_checkpointing else s.stacked_layers
         rows.append(
             Row(
                 f"expert adapters: W + B@A, {kept} of {s.stacked_layers} layers",
@@ -111,6 +126,7 @@ def memory_use(
     if s.stacked_quantized and quantization is not None:
         # Dequantized in the dtype the weights were loaded in, then cast if the experts compute in another.
         computes_in = AUTOCAST_NAMES.get(train.precision, quantization.compute_dtype)
+        model_bytes = DTYPE_BYTES[cfg.model.dtype]
         per_value = model_bytes + (DTYPE_BYTES[computes_in] if computes_in != cfg.model.dtype else 0)
         rows.append(
             Row(
@@ -118,22 +134,28 @@ def memory_use(
                 s.stacked_quantized_largest * per_value,
             )
         )
+    return rows
+
+
+def activation_rows(cfg: Config, s: ModelShapes, traits: EngineTraits, compute_bytes: int) -> list[Row]:
+    """What one micro-batch's forward keeps for backward, and the logits the loss needs."""
+    par, train = cfg.parallel, cfg.train
     # Under sequence parallelism a rank holds 1/N of every row's tokens (attention: all tokens of 1/N of the heads).
     split = par.sequence_parallel
     tokens_micro = train.micro_batch_size * cfg.data.max_length // split
     shard = f"/{split} (sequence parallel)" if split > 1 else ""
-    if checkpointing:
+    if train.gradient_checkpointing:
         per_token = s.layers * s.hidden + s.act_max_layer  # layer inputs, one layer recomputed
         act_how = "checkpointed"
     else:
         per_token = s.act_total
         act_how = "all layers"
-    rows.append(
+    rows = [
         Row(
             f"activations: {train.micro_batch_size} x {cfg.data.max_length}{shard} tokens, {act_how}",
             tokens_micro * per_token * compute_bytes,
         )
-    )
+    ]
     head_wrapped = cfg.model.lora is not None and "lm_head" in (cfg.model.lora.modules_to_save or [])
     if not traits.fuses_output_layer or head_wrapped:  # the model's own logits for the whole batch
         rows.append(Row(f"logits and loss: {tokens_micro} x {s.vocab}", tokens_micro * s.vocab * LOGITS_BYTES))
@@ -141,8 +163,15 @@ def memory_use(
         chunk = chunk_rows(tokens_micro, s.vocab, on_gpu=True)
         fused = chunk * s.vocab * FUSED_LOGIT_BYTES + tokens_micro * s.hidden * compute_bytes
         rows.append(Row(f"fused loss: {chunk} x {s.vocab} logits at a time", fused))
-    rows.append(Row("CUDA context, NCCL, fragmentation", CUDA_OVERHEAD_GIB * GIB))
+    return rows
 
+
+def loading_bytes(
+    cfg: Config, s: ModelShapes, traits: EngineTraits, per_node: int, kbit: float, gpu_capacity: float
+) -> tuple[float, float]:
+    """Bytes on each GPU and host RAM per node while the model loads, before the engine shards it."""
+    quantization = cfg.model.quantization
+    model_bytes = DTYPE_BYTES[cfg.model.dtype]
     total_params = s.quantized + s.frozen + s.trainable
     if quantization is not None:  # loaded onto each GPU, the rest upcast to fp32 before the engine casts it
         # Stacked experts arrive in the model's dtype and are quantized once all weights are loaded: on the GPU,
@@ -156,8 +185,8 @@ def memory_use(
             loaded = host_staged_gpu_bytes(
                 s.stacked_quantized, s.stacked_quantized_largest, linear, rest, model_bytes, kbit
             )
-        load_gpu = max(loaded, s.quantized * kbit + rest * 4)
-    else:  # each rank reads the whole model into host RAM; the engine moves it whole to its GPU to shard it
-        load_host = per_node * total_params * model_bytes
-        load_gpu = total_params * model_bytes if sharded_engine and not offload_weights else 0.0
-    return Memory(rows, load_gpu, load_host, weight_b)
+        return max(loaded, s.quantized * kbit + rest * 4), load_host
+    # Each rank reads the whole model into host RAM; the engine moves it whole to its GPU to shard it.
+    offload_weights = cfg.parallel.cpu_offload == "all"
+    load_gpu = total_params * model_bytes if traits.shards_anything and not offload_weights else 0.0
+    return load_gpu, per_node * total_params * model_bytes

@@ -20,6 +20,10 @@ NETWORK_BYTES_PER_S = 40e9  # the same across nodes: one 400 Gb/s NIC per GPU
 CPU_ADAM_PARAMS_PER_S = 2e8  # parameters one rank's torch AdamW updates per second on the host's shared cores
 
 
+Times = list[tuple[str, float, str]]
+"""(what, seconds per optimizer step, how it was counted)."""
+
+
 def step_times(
     cfg: Config,
     s: ModelShapes,
@@ -30,13 +34,31 @@ def step_times(
     kbit: float,
     compute_bytes: int,
     grad_bytes: int,
-) -> tuple[list[tuple[str, float, str]], float | None]:
+) -> tuple[Times, float | None]:
+    """Each part of an optimizer step's time, and the step's: the GPU's work and the exchanges on its critical
+    path, overlapped with the collectives that prefetch and reduce, then the host's part under offload."""
     if accelerator.bf16_flops is None:
         return [], None
-    train, par = cfg.train, cfg.parallel
-    micro = train.gradient_accumulation
-    split = par.sequence_parallel
-    tokens_micro = train.micro_batch_size * cfg.data.max_length // split  # this rank's share of the rows
+    times = gpu_times(cfg, s, accelerator) + exchange_times(cfg, s, per_node, compute_bytes)
+    gpu_s = sum(seconds for _, seconds, _ in times)
+    collective = 0.0
+    if world_size > 1:
+        collective = collective_seconds(cfg, s, traits, world_size, per_node, kbit, compute_bytes, grad_bytes)
+        times.append(("collectives", collective, "overlap compute (prefetch)"))
+    host = host_times(cfg, s, traits, world_size, kbit, compute_bytes, grad_bytes)
+    times += host
+    return times, max(gpu_s, collective) + sum(seconds for _, seconds, _ in host)
+
+
+def _tokens_micro(cfg: Config) -> int:
+    """This rank's share of a micro-batch's rows, in tokens."""
+    return cfg.train.micro_batch_size * cfg.data.max_length // cfg.parallel.sequence_parallel
+
+
+def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
+    """The matmuls at an assumed share of the peak, and the memory-bound forming of full-size expert weights."""
+    train = cfg.train
+    micro, tokens_micro = train.gradient_accumulation, _tokens_micro(cfg)
     passes = 4 + (2 if train.gradient_checkpointing else 0)  # forward, input gradients, recompute: 2 each
     rate = accelerator.bf16_flops * BASE_MFU
     other = s.active - s.active_quantized - s.active_routed
@@ -50,44 +72,28 @@ def step_times(
         + (f", k-bit layers x{QUANTIZED_EFFICIENCY}" if s.active_quantized else "")
     )
     times = [("compute", compute, f"{flops_token / 1e9:.1f} GFLOP/token, {mfu_note}")]
-    gpu_s = compute
+    bandwidth = accelerator.memory_bytes_per_s or 2e12
     if s.stacked_adapted:  # W + B@A formed in full on every pass: memory-bound on the GPU
         delta_passes = 2 + (1 if train.gradient_checkpointing else 0)
         flops = 2 * cfg.model.lora.r * s.stacked_adapted / rate
-        memory = DELTA_BYTES * s.stacked_adapted / (accelerator.memory_bytes_per_s or 2e12)
+        memory = DELTA_BYTES * s.stacked_adapted / bandwidth
         delta = micro * delta_passes * max(flops, memory)
         times.append(
             ("expert adapter deltas", delta, f"{count_label(s.stacked_adapted)} values formed {delta_passes}x")
         )
-        gpu_s += delta
     if s.stacked_quantized:  # every pass rebuilds the whole 4-bit expert stack: memory-bound on the GPU
         dequantize_passes = 2 + (1 if train.gradient_checkpointing else 0)  # forward, backward, recompute
-        bytes_per_pass = DEQUANTIZE_BYTES * s.stacked_quantized
-        dequantize = micro * dequantize_passes * bytes_per_pass / (accelerator.memory_bytes_per_s or 2e12)
-        times.append(
-            (
-                "expert dequantization",
-                dequantize,
-                f"{count_label(s.stacked_quantized)} values rebuilt {dequantize_passes}x",
-            )
-        )
-        gpu_s += dequantize
+        dequantize = micro * dequantize_passes * DEQUANTIZE_BYTES * s.stacked_quantized / bandwidth
+        values = f"{count_label(s.stacked_quantized)} values rebuilt {dequantize_passes}x"
+        times.append(("expert dequantization", dequantize, values))
+    return times
 
-    sharded3 = traits.sharded
-    gather_bytes = s.quantized * kbit + (s.frozen + s.trainable) * compute_bytes
-    spread = (world_size - 1) / world_size
-    collective = 0.0
-    if world_size > 1:
-        bandwidth = NVLINK_BYTES_PER_S if world_size <= per_node else NETWORK_BYTES_PER_S
-        if sharded3:
-            collective += micro * GATHER_PASSES * gather_bytes * spread
-        reductions = micro if traits.reduces_every_micro_batch else 1  # FSDP and DDP sync at the last micro-batch
-        all_reduce = not traits.shards_anything  # an all-reduce moves twice a reduce-scatter's bytes
-        # Under expert parallelism each rank reduces only its own experts' gradients (with the ranks that hold them).
-        reduced = s.trainable - s.routed_trainable * (1 - 1 / par.expert_parallel)
-        collective += reductions * reduced * grad_bytes * spread * (2 if all_reduce else 1)
-        collective /= bandwidth
-        times.append(("collectives", collective, "overlap compute (prefetch)"))
+
+def exchange_times(cfg: Config, s: ModelShapes, per_node: int, compute_bytes: int) -> Times:
+    """All-to-alls on the critical path: tokens to their experts' ranks, heads for tokens across a row's ranks."""
+    train, par = cfg.train, cfg.parallel
+    micro, tokens_micro = train.gradient_accumulation, _tokens_micro(cfg)
+    times = []
     experts = par.expert_parallel
     if experts > 1 and s.moe_layers:
         # Per MoE layer and micro-batch: each token's top-k copies sent to their experts' ranks and the results
@@ -97,27 +103,57 @@ def step_times(
         exchanged *= (experts - 1) / experts
         bandwidth = NVLINK_BYTES_PER_S if experts <= per_node else NETWORK_BYTES_PER_S
         times.append(("expert all-to-all", exchanged / bandwidth, f"{experts} ranks per expert group, not overlapped"))
-        gpu_s += exchanged / bandwidth
+    split = par.sequence_parallel
     if split > 1:
         # Per layer and micro-batch: q, k, v and the output exchanged forward, their gradients backward (about 4
         # hidden-sized vectors per token each way), (N-1)/N of it leaving the rank; on the critical path.
         exchanged = micro * tokens_micro * s.layers * 8 * s.hidden * compute_bytes * (split - 1) / split
         bandwidth = NVLINK_BYTES_PER_S if split <= per_node else NETWORK_BYTES_PER_S
         times.append(("sequence all-to-all", exchanged / bandwidth, f"{split} ranks per row, not overlapped"))
-        gpu_s += exchanged / bandwidth
+    return times
 
+
+def collective_seconds(
+    cfg: Config,
+    s: ModelShapes,
+    traits: EngineTraits,
+    world_size: int,
+    per_node: int,
+    kbit: float,
+    compute_bytes: int,
+    grad_bytes: int,
+) -> float:
+    """Gathers of sharded weights and reductions of gradients, which overlap the compute."""
+    micro, par = cfg.train.gradient_accumulation, cfg.parallel
+    gather_bytes = s.quantized * kbit + (s.frozen + s.trainable) * compute_bytes
+    spread = (world_size - 1) / world_size
+    bandwidth = NVLINK_BYTES_PER_S if world_size <= per_node else NETWORK_BYTES_PER_S
+    moved = micro * GATHER_PASSES * gather_bytes * spread if traits.sharded else 0.0
+    reductions = micro if traits.reduces_every_micro_batch else 1  # FSDP and DDP sync at the last micro-batch
+    all_reduce = not traits.shards_anything  # an all-reduce moves twice a reduce-scatter's bytes
+    # Under expert parallelism each rank reduces only its own experts' gradients (with the ranks that hold them).
+    reduced = s.trainable - s.routed_trainable * (1 - 1 / par.expert_parallel)
+    moved += reductions * reduced * grad_bytes * spread * (2 if all_reduce else 1)
+    return moved / bandwidth
+
+
+def host_times(
+    cfg: Config, s: ModelShapes, traits: EngineTraits, world_size: int, kbit: float, compute_bytes: int, grad_bytes: int
+) -> Times:
+    """Under offload: weights and gradients across PCIe, and the optimizer step on the host's cores."""
+    par, micro = cfg.parallel, cfg.train.gradient_accumulation
+    if par.cpu_offload == "none":
+        return []
     host = 0.0
     if par.cpu_offload == "all":
+        gather_bytes = s.quantized * kbit + (s.frozen + s.trainable) * compute_bytes
         host += micro * GATHER_PASSES * gather_bytes / world_size  # each rank uploads its shard per pass
-    if par.cpu_offload != "none":
-        grads_out = micro if traits.reduces_every_micro_batch else 1  # DeepSpeed accumulates them on the host
-        host += grads_out * s.trainable * grad_bytes / world_size
-        if par.cpu_offload == "optimizer":
-            host += s.trainable * compute_bytes / world_size  # updated weights back
-        times.append(("PCIe host transfers", host / PCIE_BYTES_PER_S, f"{host / 1e9:.1f} GB per GPU"))
-        adam = s.trainable / world_size / CPU_ADAM_PARAMS_PER_S
-        times.append(("CPU AdamW", adam, f"{count_label(s.trainable / world_size)} parameters per rank"))
-        host_s = host / PCIE_BYTES_PER_S + adam
-    else:
-        host_s = 0.0
-    return times, max(gpu_s, collective) + host_s
+    grads_out = micro if traits.reduces_every_micro_batch else 1  # DeepSpeed accumulates them on the host
+    host += grads_out * s.trainable * grad_bytes / world_size
+    if par.cpu_offload == "optimizer":
+        host += s.trainable * compute_bytes / world_size  # updated weights back
+    adam = s.trainable / world_size / CPU_ADAM_PARAMS_PER_S
+    return [
+        ("PCIe host transfers", host / PCIE_BYTES_PER_S, f"{host / 1e9:.1f} GB per GPU"),
+        ("CPU AdamW", adam, f"{count_label(s.trainable / world_size)} parameters per rank"),
+    ]
