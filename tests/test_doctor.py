@@ -213,3 +213,12 @@ def test_train_refuses_a_failing_setup_before_loading_the_model(tmp_path, capsys
     assert "FAIL  packing isolation" in captured.out
     assert "error: doctor: packing isolation: set model.attn_implementation=sdpa" in captured.err
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def test_expert_parallelism_the_run_would_refuse_fails_and_a_sound_one_shows_its_layout(tokenizer):
+    split = {"parallel": {"engine": "deepspeed", "zero_stage": 2, "expert_parallel": 2}}
+    assert "expert parallelism" not in verdicts(config(), tokenizer)  # said only where it is set
+    sound = verdicts(config(**split), tokenizer)["expert parallelism"]
+    assert (sound.status, sound.detail) == (PASS, "experts: 4 per layer over 2 ranks, 2 each (DeepSpeed AutoEP)")
+    odd = verdicts(config(**split), tokenizer, world_size=3)["expert parallelism"]
+    assert odd.status == FAIL and odd.detail == "parallel.expert_parallel=2 does not divide the 3 processes launched"

@@ -14,6 +14,7 @@ from tuneforge.distributed import DistInfo
 from tuneforge.engines import choose_engine
 from tuneforge.engines.expert_parallel import expert_parallel_problems
 from tuneforge.errors import UserError
+from tuneforge.train.state import check_compatible, read_state
 
 from conftest import TINY_MODELS, chat, launch, metrics, write_jsonl
 
@@ -78,6 +79,11 @@ def test_a_killed_expert_parallel_run_resumes_to_the_uninterrupted_result(expert
     assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in metrics(directory / "run")]
     final = directory / "run" / "checkpoints" / "final"
     assert_same_weights(weights(tmp_path / "run" / "checkpoints" / "final"), weights(final), 0.0)
+    # A resume with the experts split otherwise is refused before the engine reads the shards.
+    point = read_state(tmp_path / "run" / "checkpoints" / "step-2")
+    assert point.expert_parallel == 2
+    with pytest.raises(UserError, match=r"written with parallel\.expert_parallel=2, this run has 1"):
+        check_compatible(point, tmp_path, 2, 2, 2, "deepspeed", 1, 1)
 
 
 @pytest.mark.slow
@@ -96,7 +102,7 @@ def test_a_rank_missing_from_the_token_exchange_is_diagnosed(tmp_path):
 @pytest.mark.slow
 def test_autoep_switched_on_behind_the_runs_back_is_refused_with_the_setting_to_use(tmp_path):
     write_job(tmp_path)
-    (tmp_path / "ep.json").write_text('{"expert_parallel": {"enabled": true, "autoep_size": 2}}')
+    (tmp_path / "ep.json").write_text('{"expert_parallel": {"enabled": true}}')  # AutoEP's default size
     result = launch(tmp_path / "cfg.yaml", tmp_path / "run", "parallel.expert_parallel=1",
                     f"parallel.deepspeed_config={tmp_path / 'ep.json'}", ranks=2)  # fmt: skip
     assert result.returncode == 2
@@ -146,3 +152,42 @@ def test_what_expert_parallelism_cannot_run_is_refused_before_the_model_loads():
         choose_engine("ddp", two, config(expert_parallel=2).parallel)
     with pytest.raises(UserError, match=r"parallel\.expert_parallel runs with ZeRO 0-2"):
         choose_engine("deepspeed", two, config(expert_parallel=2, zero_stage=3).parallel)
+
+
+def tiny_deepseek(model_type: str):
+    from transformers import AutoConfig
+
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                  n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                  qk_nope_head_dim=8, v_head_dim=8)  # fmt: skip
+    if model_type == "deepseek_v3":
+        fields.update(n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+
+
+def test_autoep_layers_are_written_back_under_the_models_own_names_and_values(tmp_path, monkeypatch):
+    """DeepSeek-V3 keeps a score correction bias on its gate, which AutoEP moves onto its router: the checkpoint
+    puts it back where `from_pretrained` reads it, and every other tensor equals the model's before AutoEP. (One
+    process group for both models: DeepSpeed keeps its groups for the life of the process.)"""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from tuneforge.engines.expert_parallel import autoep_section, hugging_face_state_dict
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # what the launcher sets, and DeepSpeed asserts
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for model_type in ("deepseek_v2", "deepseek_v3"):
+            model = tiny_deepseek(model_type)
+            before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+            config = {"train_micro_batch_size_per_gpu": 1, "expert_parallel": autoep_section(1, model_type)}
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                              dist_init_required=False)  # fmt: skip
+            assert any(name.endswith(".router.gate.weight") for name in engine.module.state_dict())  # AutoEP ran
+            group = groups._get_expert_parallel_group("ep_size_1")
+            assert_same_weights(hugging_face_state_dict(engine.module, group, True, before), before, atol=0)
+    finally:
+        dist.destroy_process_group()

@@ -21,7 +21,7 @@ from tuneforge.config.schema import Config, LoraSettings
 from tuneforge.data.conversation import Conversation, Turn
 from tuneforge.data.templates import TOKENIZER, get_template
 from tuneforge.engines import EngineTraits, engine_traits
-from tuneforge.engines.expert_parallel import PRESETS
+from tuneforge.engines.expert_parallel import PRESETS, expert_parallel_problems
 from tuneforge.errors import UserError
 from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_estimate, local_accelerator
 from tuneforge.model.adapters import resolve_lora_targets
@@ -96,6 +96,19 @@ def check_moe_sharding(traits: EngineTraits, moe: MoEMap, readable: bool) -> Che
             "set parallel.moe_safety=true",
         )
     return Check(name, PASS, f"{len(moe)} MoE blocks ({moe.blocks[0].layout} experts) {traits.moe_safety}")
+
+
+def check_expert_parallel(cfg: Config, skeleton: nn.Module | None, world_size: int) -> list[Check]:
+    """Said only where `parallel.expert_parallel` is set: what the run would refuse, or the layout it prints."""
+    name = "expert parallelism"
+    if cfg.parallel.expert_parallel == 1:
+        return []
+    if skeleton is None:
+        return [Check(name, WARN, "model structure not readable: the run checks the model when it starts")]
+    problems, layout = expert_parallel_problems(cfg, skeleton.config, world_size)
+    if problems:
+        return [Check(name, FAIL, "; ".join(problems))]  # each reason names its fix
+    return [Check(name, PASS, layout)]
 
 
 def check_qlora_storage(cfg: Config, traits: EngineTraits) -> Check:
@@ -433,6 +446,7 @@ def _expert_parallel_fix(
     experts = getattr(skeleton.config, PRESETS.get(model_type, ""), None)
     if (
         cfg.parallel.expert_parallel > 1
+        or cfg.parallel.sequence_parallel > 1  # not combined with expert parallelism yet
         or cfg.model.lora is not None
         or not moe
         or not isinstance(experts, int)
@@ -552,6 +566,7 @@ def run_checks(
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return [
         check_moe_sharding(traits, moe, skeleton is not None),
+        *check_expert_parallel(cfg, skeleton, world_size),
         check_qlora_storage(cfg, traits),
         check_quantized_share(cfg, skeleton),
         check_remote_code(cfg, model_config),

@@ -178,6 +178,7 @@ class DeepSpeedEngine(Engine):
             # the experts in groups of their own (ZeRO reduces them over the expert-data-parallel ranks only).
             parameters = [{**group, "name": f"group-{i}"} for i, group in enumerate(optimizer.param_groups)]
             optimizer = _rebuilt_with_expert_groups(type(optimizer), optimizer.defaults)
+            self._hugging_face_names = list(model.state_dict())  # what the gathered checkpoints must hold
         self._engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -206,7 +207,9 @@ class DeepSpeedEngine(Engine):
                 "instead (the doctor, the MoE safety and checkpoints follow it)"
             )
         merged_experts = self.config.get("expert_parallel", {})
-        if merged_experts.get("enabled") and merged_experts.get("autoep_size", 1) != parallel.expert_parallel:
+        if merged_experts.get("enabled") and (
+            parallel.expert_parallel == 1 or merged_experts.get("autoep_size") != parallel.expert_parallel
+        ):
             raise SharedUserError(
                 "parallel.deepspeed_config sets expert_parallel; set parallel.expert_parallel instead (the run "
                 "checks the model for it, builds the optimizer's expert groups and gathers experts on save)"
@@ -283,12 +286,17 @@ class DeepSpeedEngine(Engine):
         if path is None:
             raise ValueError(f"resume: DeepSpeed found no checkpoint in {directory}")
 
+    @property
+    def generates_in_lockstep(self) -> bool:
+        # Under expert parallelism every MoE forward exchanges tokens with the group's other ranks.
+        return super().generates_in_lockstep or self.expert_parallel > 1
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.expert_parallel > 1:
             from deepspeed.utils import groups
 
             group = groups._get_expert_parallel_group(f"ep_size_{self.expert_parallel}")
-            return hugging_face_state_dict(self._engine.module, group, self.info.is_main)
+            return hugging_face_state_dict(self._engine.module, group, self.info.is_main, self._hugging_face_names)
         if not self.traits.sharded:
             return None
         state = self._engine._zero3_consolidated_16bit_state_dict()  # collective: all ranks take part

@@ -5,6 +5,7 @@ gathered from the group, AutoEP's names mapped to the model's own), so `from_pre
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -68,25 +69,55 @@ def autoep_section(size: int, model_type: str) -> dict[str, Any]:
     return {"enabled": True, "autoep_size": size, "preset_model": model_type}
 
 
-def hugging_face_state_dict(model: nn.Module, group: Any, is_main: bool) -> dict[str, torch.Tensor] | None:
-    """The model's weights under its own (Hugging Face) names, each AutoEP layer's local experts gathered
-    from the expert-parallel `group` and stacked as the model stores them (`gate_up_proj` = gate then up
-    projections, `down_proj`), the router under its own name. A collective of the group: every rank calls it;
-    rank 0 gets the weights, the others None."""
+def hugging_face_state_dict(
+    model: nn.Module, group: Any, is_main: bool, names: Collection[str]
+) -> dict[str, torch.Tensor] | None:
+    """The model's weights under its own (Hugging Face) `names`, taken before AutoEP replaced its layers: each
+    AutoEP layer's local experts gathered from the expert-parallel `group` to rank 0 one layer at a time, moved
+    to host memory and stacked as the model stores them (`gate_up_proj` = gate then up projections,
+    `down_proj`), the router's tensors under the gate's names. A collective of rank 0's group only (the other
+    groups hold copies of the same experts and return at once); rank 0 gets the weights, the others None."""
+    if 0 not in torch.distributed.get_process_group_ranks(group):
+        return None
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     layers = [name for name, module in model.named_modules() if type(module).__name__ == LAYER_CLASS]
     for prefix in layers:
-        gathered = {}
-        for part in ("w1", "w2", "w3"):
-            local = state.pop(f"{prefix}.experts.{part}").contiguous()
-            pieces = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
-            torch.distributed.all_gather(pieces, local, group=group)
-            gathered[part] = torch.cat(pieces)
-        state[f"{prefix}.experts.gate_up_proj"] = torch.cat([gathered["w1"], gathered["w3"]], dim=1)
-        state[f"{prefix}.experts.down_proj"] = gathered["w2"]
+        gathered = {part: _gather_to_main(state.pop(f"{prefix}.experts.{part}"), group, is_main) for part in WEIGHTS}
         for name in [key for key in state if key.startswith(f"{prefix}.router.")]:
-            state[f"{prefix}.{name.removeprefix(f'{prefix}.router.')}"] = state.pop(name)
-    return state if is_main else None
+            tensor = state.pop(name)
+            state[_router_name(prefix, name.removeprefix(f"{prefix}.router."), names)] = tensor
+        if is_main:
+            state[f"{prefix}.experts.gate_up_proj"] = torch.cat([gathered["w1"], gathered["w3"]], dim=1)
+            state[f"{prefix}.experts.down_proj"] = gathered["w2"]
+    if not is_main:
+        return None
+    if state.keys() != set(names):
+        raise RuntimeError(
+            "expert parallelism: the gathered checkpoint's names differ from the model's: extra "
+            f"{sorted(state.keys() - set(names))[:4]}, missing {sorted(set(names) - state.keys())[:4]}"
+        )
+    return state
+
+
+WEIGHTS = ("w1", "w2", "w3")
+"""AutoEP's per-expert weights: the gate, down and up projections."""
+
+
+def _gather_to_main(local: torch.Tensor, group: Any, is_main: bool) -> torch.Tensor | None:
+    # `gather`, not `all_gather`: only the writing rank holds the whole layer, and only for a moment.
+    local = local.contiguous()
+    pieces = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))] if is_main else None
+    torch.distributed.gather(local, pieces, dst=0, group=group)
+    return torch.cat(pieces).cpu() if pieces is not None else None
+
+
+def _router_name(prefix: str, name: str, names: Collection[str]) -> str:
+    # AutoEP keeps the router's linear layer as `router.gate` and the score correction bias (DeepSeek-V3) on
+    # the router itself; the model keeps both on its gate module.
+    for candidate in (f"{prefix}.{name}", f"{prefix}.gate.{name}"):
+        if candidate in names:
+            return candidate
+    raise RuntimeError(f"expert parallelism: AutoEP's {prefix}.router.{name} has no counterpart in the model")
 
 
 def expert_parallel_routers(model: nn.Module) -> list[nn.Module]:

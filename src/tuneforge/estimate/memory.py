@@ -90,7 +90,7 @@ def state_rows(
             f"base weights: {count_label(s.quantized)} {quantization.bits}-bit + {count_label(s.frozen)} {frozen_dtype}"
         )
     # Expert parallelism keeps 1/N of the routed experts' weights on each rank (their gradients and optimizer
-    # state are then sharded over the ranks that hold the same experts: the same share as without it).
+    # state, once sharded, over the ranks that hold the same experts: the same share as without it).
     held = s.trainable - s.routed_trainable * (1 - 1 / par.expert_parallel)
     held_note = f", experts 1/{par.expert_parallel}" if par.expert_parallel > 1 else ""
     rows = [
@@ -98,8 +98,10 @@ def state_rows(
         place(
             f"trainable: {count_label(s.trainable)} ({weight_b} B each{held_note})", held * weight_b, 3, offload_weights
         ),
-        place("gradients", s.trainable * grad_b, 2, offload_optimizer),  # DeepSpeed keeps them with the optimizer
-        place(f"optimizer: AdamW {optim_what}", s.trainable * optim_b, 1, offload_optimizer),
+        # DeepSpeed keeps gradients with the optimizer. Below the stage that shards them, a rank keeps those of
+        # the weights it holds.
+        place("gradients", (s.trainable if stage >= 2 else held) * grad_b, 2, offload_optimizer),
+        place(f"optimizer: AdamW {optim_what}", (s.trainable if stage >= 1 else held) * optim_b, 1, offload_optimizer),
     ]
     if not s.quantized and not s.frozen:
         rows.pop(0)  # full fine-tuning: no frozen base

@@ -457,6 +457,7 @@ class Trainer:
             self.parts.run_id or None,
             self.parts.layout.size,
             self.data_signature,
+            self.cfg.parallel.expert_parallel,
         )
 
 

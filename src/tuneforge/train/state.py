@@ -43,6 +43,8 @@ class ResumePoint:
     """Ranks per sample: the data-parallel size, and so the data plan, is world_size / sequence_parallel."""
     train_data: str | None = None
     """`TokenizedData.signature()` of the training split it was written with (None: written before it was)."""
+    expert_parallel: int = 1
+    """Ranks each MoE layer's experts are split over: the engine's checkpoint files are written per expert shard."""
 
 
 RNG_FILE = "rng-rank-{rank}.safetensors"
@@ -163,7 +165,7 @@ def data_changed_note(point: ResumePoint, checkpoint: Path, now: str, steps_per_
 
 
 COUNTS = ("step", "epoch", "samples_consumed")
-SIZES = ("world_size", "micro_batch_size", "gradient_accumulation", "sequence_parallel")
+SIZES = ("world_size", "micro_batch_size", "gradient_accumulation", "sequence_parallel", "expert_parallel")
 
 
 def _check_types(point: ResumePoint) -> None:
@@ -216,6 +218,7 @@ def check_compatible(
     accumulation: int,
     engine: str,
     sequence_parallel: int = 1,
+    expert_parallel: int = 1,
 ):
     """Sharded states and the data plan are tied to the world size and batch shape they were written with."""
     expected = (point.world_size, point.micro_batch_size, point.gradient_accumulation, point.engine)
@@ -226,12 +229,17 @@ def check_compatible(
             f"{world_size}, {engine}, {micro} and {accumulation}. Resume with the same settings (export the "
             "checkpoint and start a new run from it to change them)"
         )
-    if point.sequence_parallel != sequence_parallel:
-        raise UserError(
-            f"--resume {checkpoint}: written with parallel.sequence_parallel={point.sequence_parallel}, this run has "
-            f"{sequence_parallel}: the data-parallel size and so the order of the data differ. Resume with "
-            f"parallel.sequence_parallel={point.sequence_parallel}"
-        )
+    why = {
+        "sequence_parallel": "the data-parallel size and so the order of the data differ",
+        "expert_parallel": "the engine's optimizer state is stored per expert shard",
+    }
+    for name, this_run in (("sequence_parallel", sequence_parallel), ("expert_parallel", expert_parallel)):
+        written = getattr(point, name)
+        if written != this_run:
+            raise UserError(
+                f"--resume {checkpoint}: written with parallel.{name}={written}, this run has {this_run}: "
+                f"{why[name]}. Resume with parallel.{name}={written}"
+            )
 
 
 QUANTIZED_VALUES = ("bits", "skip_modules", "quant_type", "double_quant")
