@@ -3,7 +3,9 @@ a user's second terminal would) and after it ended; and the diagnosis shown the 
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import time
 
@@ -13,7 +15,7 @@ from rich.console import Console
 from tuneforge.cli import main
 from tuneforge.config import load_config
 from tuneforge.model.precision import native_cpu_half_precision
-from tuneforge.watch import read_run, render, sparkline
+from tuneforge.watch import read_run, render, seconds_per_step, sparkline
 
 from conftest import TINY_LLAMA, TUNEFORGE, chat, free_port, write_jsonl
 
@@ -91,7 +93,7 @@ def test_watch_shows_a_two_rank_run_while_it_trains_and_ends_with_it(tmp_path):
 def test_a_diagnosis_is_shown_as_soon_as_it_is_written_and_watch_exits_with_the_hang_status(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "diagnostics" / "live").mkdir(parents=True)
-    (run / "run.json").write_text(f'{{"run_id": "x", "started": {time.time() - 5}}}')
+    (run / "run.json").write_text(f'{{"run_id": "x", "started": {time.time() - 60}}}')
     beat = '{{"rank": {r}, "host": "h", "phase": "train", "step": 3, "total_steps": 9, "updated": {t}, "limit_s": 30}}'
     for rank in (0, 1):
         (run / "diagnostics" / "live" / f"rank-{rank}.json").write_text(beat.format(r=rank, t=time.time() - 40))
@@ -120,3 +122,54 @@ def test_damaged_or_foreign_files_in_a_work_dir_are_left_out_not_a_traceback(tmp
     # A place no one may write to, root included (/proc takes no new files).
     assert main(["recipes", "copy", "llama-3-8b-lora-1gpu", "/proc/tuneforge-recipe.yaml"]) == 2
     assert "error: /proc/tuneforge-recipe.yaml: cannot write the recipe (" in capsys.readouterr().err
+
+
+def heartbeat(run, rank: int, updated: float, **fields) -> None:
+    beat = {"rank": rank, "host": "h", "phase": "train", "step": 3, "total_steps": 9, "updated": updated,
+            "limit_s": 30, **fields}  # fmt: skip
+    (run / "diagnostics" / "live").mkdir(parents=True, exist_ok=True)
+    (run / "diagnostics" / "live" / f"rank-{rank}.json").write_text(json.dumps(beat))
+
+
+def hold_lock(run, pid: int, started: float) -> None:
+    (run / ".tuneforge.lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": started}))
+
+
+def test_a_crash_a_killed_run_and_a_run_without_heartbeats_each_end_the_view_as_what_they_were(tmp_path, capsys):
+    run = tmp_path / "run"
+    now = time.time()
+    heartbeat(run, 0, now, finished=True, outcome="failed")
+    heartbeat(run, 1, now, finished=True, outcome="finished")
+    assert main(["watch", str(run), "--once"]) == 1
+    out = capsys.readouterr().out
+    assert "ended with an error" in out and "the run has ended with an error: see its terminal output" in out
+
+    # A run whose watchdog is off writes no heartbeats: it is followed by its lock, held while it runs.
+    quiet = tmp_path / "quiet"
+    quiet.mkdir()
+    (quiet / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5, "lr": 0.001, "elapsed_s": 1.0}\n')
+    hold_lock(quiet, os.getpid(), now)
+    assert not read_run(quiet).over(now)
+    (quiet / ".tuneforge.lock").unlink()  # released: the run ended
+    assert read_run(quiet).over(now) and main(["watch", str(quiet), "--once"]) == 0
+
+    # A lock whose holder is gone (kill -9) ends the view at once, as an error; a heartbeat older than the
+    # lock (a previous attempt's rank) is not shown.
+    killed = tmp_path / "killed"
+    heartbeat(killed, 0, now)
+    heartbeat(killed, 3, now - 600)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    hold_lock(killed, dead.pid, now - 60)
+    view = read_run(killed)
+    assert [rank["rank"] for rank in view.ranks] == [0] and view.over(now)
+    assert main(["watch", str(killed), "--once"]) == 1
+
+
+def test_the_eta_follows_the_latest_attempts_recent_pace():
+    first = [{"step": s, "elapsed_s": 10.0 * s} for s in range(1, 11)]  # 10 s a step, then killed
+    resumed = [{"step": s, "elapsed_s": 30.0 + 2.0 * (s - 11)} for s in range(11, 15)]  # its clock starts again
+    assert seconds_per_step(first) == 10.0
+    assert seconds_per_step(first + resumed) == 2.0
+    assert seconds_per_step(first + resumed[:1]) is None  # one step of the new attempt: no pace yet
+    assert seconds_per_step(first[:1]) == 10.0

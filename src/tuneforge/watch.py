@@ -19,6 +19,7 @@ from rich.text import Text
 
 from tuneforge.diagnostics.report import REPORT
 from tuneforge.errors import UserError
+from tuneforge.train.workdir import lock_holder
 
 BARS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 60
@@ -34,15 +35,24 @@ class RunView:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
     diagnosis: str | None = None
+    locked: bool | None = None
+    """A live process holds the work dir's lock (None: no lock; False: its holder died)."""
+
+    @property
+    def failed(self) -> bool:
+        """A rank ended with an error (its last heartbeat says so)."""
+        return any(rank.get("finished") and rank.get("outcome") == "failed" for rank in self.ranks)
 
     def over(self, now: float) -> bool:
-        """The run ended: every rank said it finished, a diagnosis was written, or no rank beats any more."""
-        if self.diagnosis is not None:
+        """The run ended: a diagnosis was written, the process holding the work dir died, every rank said it
+        ended, the lock was released after the run logged (a run without heartbeats: watchdog off), or no rank
+        beats any more."""
+        if self.diagnosis is not None or self.locked is False:
+            return True
+        if self.ranks and all(rank.get("finished") for rank in self.ranks):
             return True
         if not self.ranks:
-            return False
-        if all(rank.get("finished") for rank in self.ranks):
-            return True
+            return self.locked is None and bool(self.metrics)
         return all(now - rank["updated"] > rank.get("limit_s", 0) + STALE_AFTER_S for rank in self.ranks)
 
 
@@ -70,6 +80,9 @@ def read_run(work_dir: Path) -> RunView:
         record = None
     started = record.get("started") if isinstance(record, dict) else None
     started = started if isinstance(started, (int, float)) else None
+    locked, attempt_started = lock_holder(work_dir)
+    # Heartbeats older than this attempt are a previous one's (e.g. ranks a resumed run no longer has).
+    oldest = attempt_started if attempt_started is not None else started
     ranks = []
     for path in sorted((work_dir / "diagnostics" / "live").glob("rank-*.json")):
         try:
@@ -77,8 +90,9 @@ def read_run(work_dir: Path) -> RunView:
         except (OSError, json.JSONDecodeError):  # being replaced right now: the next refresh reads it
             continue
         numbers = ("updated", "limit_s")
-        if isinstance(beat, dict) and all(isinstance(beat.get(key), (int, float)) for key in numbers):
-            ranks.append(beat)  # anything else is no heartbeat of ours, and is left out
+        ours = isinstance(beat, dict) and all(isinstance(beat.get(key), (int, float)) for key in numbers)
+        if ours and (oldest is None or beat["updated"] >= oldest):
+            ranks.append(beat)  # anything else is no heartbeat of ours (or this run's), and is left out
     report = work_dir / "diagnostics" / REPORT
     diagnosis = None
     if report.is_file() and (started is None or report.stat().st_mtime >= started):
@@ -94,6 +108,7 @@ def read_run(work_dir: Path) -> RunView:
         ],
         samples=[row for row in _json_lines(work_dir / "samples.jsonl") if isinstance(row, dict)],
         diagnosis=diagnosis,
+        locked=locked,
     )
 
 
@@ -126,7 +141,9 @@ def ranks_table(view: RunView, now: float) -> Table:
         table.add_column(column)
     for rank in view.ranks:
         age, limit = now - rank["updated"], rank.get("limit_s", 0.0)
-        if rank.get("finished"):
+        if rank.get("finished") and rank.get("outcome") == "failed":
+            state, style = "ended with an error", "bold red"
+        elif rank.get("finished"):
             state, style = "finished", "green"
         elif age > limit:
             state, style = "stalled: past the stall timeout", "bold red"
@@ -167,11 +184,34 @@ def progress_lines(view: RunView, now: float) -> Text:
         parts.append(f"mem {last['peak_memory_gb']:.1f} GB")
     if "val_loss" in (validated := next((r for r in reversed(view.metrics) if "val_loss" in r), {})):
         parts.append(f"val_loss {validated['val_loss']:.4f} (step {validated['step']})")
-    elapsed = last.get("elapsed_s")
-    if total and elapsed and last["step"] < total:
-        parts.append(f"ETA {_duration(elapsed / last['step'] * (total - last['step']))}")
+    if total and last["step"] < total and (per_step := seconds_per_step(view.metrics)) is not None:
+        parts.append(f"ETA {_duration(per_step * (total - last['step']))}")
     text.append("  ".join(parts) + "\n")
     return text
+
+
+RECENT_STEPS = 20
+"""The ETA's pace: the latest logged steps, not the whole run (early steps compile and warm up)."""
+
+
+def seconds_per_step(metrics: list[dict[str, Any]]) -> float | None:
+    """The recent pace, from the logged rows of the latest attempt only: `elapsed_s` counts from each attempt's
+    start, so a resumed run's rows begin again near zero."""
+    rows = [row for row in metrics if isinstance(row.get("elapsed_s"), (int, float))]
+    attempt = rows[-1:]
+    for row in reversed(rows[:-1]):
+        if (
+            len(attempt) > RECENT_STEPS
+            or row["elapsed_s"] >= attempt[0]["elapsed_s"]
+            or row["step"] >= attempt[0]["step"]
+        ):
+            break
+        attempt.insert(0, row)
+    if len(attempt) >= 2:
+        return (attempt[-1]["elapsed_s"] - attempt[0]["elapsed_s"]) / (attempt[-1]["step"] - attempt[0]["step"])
+    if attempt and attempt[0]["step"] > 0 and not any(row["step"] < attempt[0]["step"] for row in rows[:-1]):
+        return attempt[0]["elapsed_s"] / attempt[0]["step"]  # the first logged step of a fresh run
+    return None
 
 
 def render(view: RunView, now: float | None = None) -> RenderableType:
@@ -189,6 +229,8 @@ def render(view: RunView, now: float | None = None) -> RenderableType:
         parts.append(Panel(body, title=f"sample chat at step {last_step}", title_align="left"))
     if view.diagnosis is not None:
         parts.append(Panel(view.diagnosis.rstrip(), title="diagnosis", title_align="left", border_style="red"))
+    elif view.failed or view.locked is False:
+        parts.append(Text("the run has ended with an error: see its terminal output", style="bold red"))
     elif view.over(now):
         parts.append(Text("the run has ended", style="bold green"))
     return Group(*parts)
@@ -204,10 +246,17 @@ def watch(work_dir: Path, interval_s: float = 1.0, once: bool = False) -> int:
     view = read_run(work_dir)
     if once:
         console.print(render(view))
-        return 3 if view.diagnosis is not None else 0
+        return _status(view)
     with Live(render(view), console=console, refresh_per_second=4, transient=False) as live:
         while not view.over(time.time()):
             time.sleep(interval_s)
             view = read_run(work_dir)
             live.update(render(view))
-    return 3 if view.diagnosis is not None else 0
+    return _status(view)
+
+
+def _status(view: RunView) -> int:
+    """The launcher's statuses: 3 after a diagnosis (a hang), 1 after an error, 0 otherwise."""
+    if view.diagnosis is not None:
+        return 3
+    return 1 if view.failed or view.locked is False else 0

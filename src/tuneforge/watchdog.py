@@ -191,7 +191,9 @@ class StallWatchdog:
             if self.enabled:
                 self._arm_backstop()
 
-    def stop(self) -> None:
+    def stop(self, outcome: str = "finished") -> None:
+        """Ends the monitor; the last heartbeat says this rank is done and how (`finished` or `failed`), which is
+        how `tuneforge watch` tells a crash from the end of training."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -210,7 +212,7 @@ class StallWatchdog:
             fatal_stacks_file(self.diagnostics_dir, self.rank).unlink(missing_ok=True)
             self.recorder.disarm_black_box()
             black_box_file(self.diagnostics_dir, self.rank).unlink(missing_ok=True)
-            self._write_heartbeat(finished=True)
+            self._write_heartbeat(finished=True, outcome=outcome)
 
     def _arm_backstop(self) -> None:
         # Re-armed rarely (not per beat): it fires only if the monitor thread itself cannot run.
@@ -390,10 +392,15 @@ class StallWatchdog:
             "updated": time.time(),
         }
 
-    def _write_heartbeat(self, finished: bool = False) -> None:
+    def _write_heartbeat(self, finished: bool = False, outcome: str | None = None) -> None:
         if not self.enabled:
             return
-        data = {**self.state(), "finished": finished, "collectives": self.recorder.snapshot()[-RECENT_COLLECTIVES:]}
+        data = {
+            **self.state(),
+            "finished": finished,
+            "outcome": outcome,
+            "collectives": self.recorder.snapshot()[-RECENT_COLLECTIVES:],
+        }
         # A full or vanished disk must not kill training; the stall path reports what it can.
         with contextlib.suppress(OSError):
             write_json(self.live_dir / f"rank-{self.rank}.json", data)

@@ -25,7 +25,7 @@ from tuneforge.distributed import DistInfo, Layout, barrier, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
 from tuneforge.engines import EngineTraits, build_engine, choose_engine, engine_traits
 from tuneforge.engines.expert_parallel import expert_parallel_problems, expert_parallel_routers
-from tuneforge.errors import UserError
+from tuneforge.errors import SharedUserError, UserError
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model import packed_attention
 from tuneforge.model.adapters import make_trainable
@@ -103,7 +103,9 @@ def _locked_run(
     lock_note: str,
 ) -> dict:
     on_gpu = info.device.type == "cuda"
-    precision, why = choose_precision(cfg.train.precision, on_gpu, not on_gpu or torch.cuda.is_bf16_supported())
+    precision, why = choose_precision(
+        cfg.train.precision, on_gpu, not on_gpu or torch.cuda.is_bf16_supported(including_emulation=False)
+    )
     cfg = with_precision(cfg, precision)  # every part reads the precision chosen, and config.yaml records it
     # Everything that can refuse the run is checked before this run writes a file.
     resume_dir = checked_resume(cfg, work_dir, resume, info, engine_name, say)
@@ -120,9 +122,12 @@ def _locked_run(
         RECORDER.install()  # before any engine exists: DeepSpeed keeps references to the functions it uses
     watchdog = StallWatchdog.for_config(cfg.watchdog, work_dir / "diagnostics", info.rank, info.world_size)
     watchdog.start()
+    outcome = "failed"
     try:
         parts = setup(cfg, work_dir, watchdog, info, engine_name, say, run_id)
-        return train_and_evaluate(parts, info, say, resume, resume_dir)
+        result = train_and_evaluate(parts, info, say, resume, resume_dir)
+        outcome = "finished"
+        return result
     except (torch.distributed.DistError, RuntimeError) as exc:
         if info.distributed and cfg.watchdog.enabled:
             # A collective that failed (gloo/NCCL errors on mismatched calls) or a rank that failed on its own (out
@@ -131,7 +136,7 @@ def _locked_run(
             watchdog.fail("error", message, exit_process=False, where=exception_site(exc))
         raise
     finally:
-        watchdog.stop()
+        watchdog.stop(outcome)
         if info.distributed:
             torch.distributed.destroy_process_group()
 
@@ -164,6 +169,7 @@ def checked_resume(
             train.gradient_accumulation,
             engine_name,
             cfg.parallel.sequence_parallel,
+            cfg.parallel.expert_parallel,
         )
         check_same_quantization(resume_dir, cfg.model.quantization)
     return resume_dir
@@ -214,8 +220,8 @@ def setup(
         check_compiler(info.device)
     if cfg.parallel.expert_parallel > 1:  # refused before the model loads, from its config
         problems, layout_line = expert_parallel_problems(cfg, model_config(cfg.model, tokenizer), info.world_size)
-        if problems:
-            raise UserError("\n".join(problems))
+        if problems:  # every rank finds the same
+            raise SharedUserError("\n".join(problems))
         say(layout_line)
     watchdog.beat("model", training=False)
     model, moe, balance, flops_per_token = trainable_model(cfg, tokenizer, info, work_dir, traits, say)

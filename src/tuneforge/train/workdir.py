@@ -89,6 +89,16 @@ def take_lock(work_dir: Path) -> str:
     raise UserError(f"work dir {work_dir}: another run took the lock at the same moment; start again")
 
 
+def lock_holder(work_dir: Path) -> tuple[bool | None, float | None]:
+    """Whether a live process holds the work dir's lock (None: no lock, so no run yet or one that ended
+    cleanly; False: its holder died, e.g. killed), and when it took the lock. A holder on another host is
+    taken to be alive: its process cannot be asked from here."""
+    holder = _read_holder(work_dir / LOCK_FILE)
+    if holder is None:
+        return None, None
+    return holder.host != socket.gethostname() or _alive(holder.pid), holder.started
+
+
 def release_lock(work_dir: Path) -> None:
     path = work_dir / LOCK_FILE
     holder = _read_holder(path)
