@@ -266,7 +266,7 @@ def test_the_wrong_kind_of_data_stops_before_the_model_loads(tmp_path):
     )
     assert sft_on_pairs.returncode != 0
     assert "pairs.jsonl:1: this row is a preference pair" in sft_on_pairs.stderr
-    assert "set train.objective: dpo or orpo" in sft_on_pairs.stderr
+    assert "set train.objective: dpo, orpo or reward" in sft_on_pairs.stderr
     dpo_on_chats = subprocess.run(
         [TUNEFORGE, "data", "check", str(tmp_path / "cfg.yaml"), "data.train_files=[chats.jsonl]"],
         capture_output=True,

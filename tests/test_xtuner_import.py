@@ -402,11 +402,27 @@ def test_dpo_and_orpo_configs_import_with_their_loss_settings(tmp_path):
     assert orpo.config["train"]["objective"] == "orpo" and orpo.config["preference"] == {"lambda": 0.2}
 
 
-def test_reward_models_are_refused_naming_the_setting(tmp_path):
+def test_reward_model_configs_import_with_their_loss_and_penalty(tmp_path):
     text = DPO_CONFIG.replace("from xtuner.model.dpo import DPO", "from xtuner.model.reward import RewardModel")
-    path = _config(tmp_path, text.replace("type=DPO,", "type=RewardModel,"))
-    with pytest.raises(UserError, match=r"cfg.py:\d+: model type RewardModel cannot be carried over: reward-model"):
-        import_config(path)
+    text = text.replace(
+        "    beta=0.2,\n    label_smoothing=0.05,\n", "    penalty_type='L2',\n    penalty_weight=0.05,\n"
+    )
+    text = text.replace("loss_type='hinge'", "loss_type='focal'").replace("type=DPO,", "type=RewardModel,")
+    text = text.replace(
+        "is_dpo=True,\n    is_reward=False,\n    reward_token_id=-1,",
+        "is_dpo=False,\n    is_reward=True,\n    reward_token_id=92527,",
+    )
+    result = import_config(_config(tmp_path, text))
+    assert result.config["train"]["objective"] == "reward"
+    assert result.config["preference"] == {"reward_loss": "focal", "penalty": "l2", "penalty_weight": 0.05}
+    assert not result.unmapped, result.unmapped
+    assert any("reward_token_id = 92527" in note and "no token is added" in note for note in result.notes)
+    # The chat hook's prompts would have a reward model generate: left out, said why.
+    assert "sample_prompts" not in result.config.get("eval", {})
+    assert any(note.startswith("EvaluateChatHook (line ") for note in result.notes)
+    (tmp_path / "out.yaml").write_text(to_yaml(result, tmp_path / "cfg.py"))
+    loaded = load_config(tmp_path / "out.yaml")
+    assert loaded.train.objective == "reward" and loaded.paired and loaded.preference.penalty == "l2"
 
 
 # The original job's shape at CPU scale: the same architecture with tiny sizes (every quantized layer's output a

@@ -12,7 +12,7 @@ from tuneforge.data.templates import get_template, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
 from tuneforge.train.checkpoint import CHAT_META
-from tuneforge.trained import load_trained
+from tuneforge.trained import is_reward_model, load_trained
 
 
 def run_chat(
@@ -25,6 +25,11 @@ def run_chat(
     trust_remote_code: bool = False,
 ) -> None:
     """A full checkpoint, or an adapter on its base model (loaded as in training, k-bit included)."""
+    if checkpoint.is_dir() and is_reward_model(checkpoint):
+        raise UserError(
+            f"{checkpoint}: a reward model (train.objective: reward) scores conversations and does not write "
+            "answers; load it with AutoModelForSequenceClassification (tuneforge export --merge writes one)"
+        )
     trained = load_trained(checkpoint, base, trust_remote_code=trust_remote_code)
     model, tokenizer, meta = trained.model, trained.tokenizer, trained.meta
     spec = template_name or meta.get("template")

@@ -85,8 +85,12 @@ def export(
     dtype = EXPORT_DTYPES[dtype_name] if dtype_name else base_dtype(trained.base or str(checkpoint))
     tmp = _prepare_out(out)
     model = trained.model.to(dtype)
-    model.generation_config.eos_token_id = trained.tokenizer.eos_token_id
-    model.generation_config.pad_token_id = trained.tokenizer.pad_token_id
+    scores = getattr(model, "generation_config", None) is None
+    if not scores:
+        model.generation_config.eos_token_id = trained.tokenizer.eos_token_id
+        model.generation_config.pad_token_id = trained.tokenizer.pad_token_id
+    else:  # a reward model: transformers reads each conversation's score at its last token that is not the pad
+        model.config.pad_token_id = trained.tokenizer.pad_token_id
     model.save_pretrained(tmp, safe_serialization=True)
     note = attach_chat_template(trained.tokenizer, meta)
     trained.tokenizer.save_pretrained(tmp)
@@ -94,6 +98,8 @@ def export(
     _finish(tmp, out)
     what = "merged into the dequantized base" if meta.get("adapter", {}).get("quantization") else "merged"
     kind = f"adapter {what}" if adapter else "full model"
+    if scores:
+        kind = f"reward model ({kind}; AutoModelForSequenceClassification)"
     return [f"exported {kind}: {out} ({str(dtype).removeprefix('torch.')}, safetensors)", note]
 
 

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 import transformers
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError, first_line
 from tuneforge.model.adapters import exact_targets
-from tuneforge.model.build import DTYPES, native_architecture
+from tuneforge.model.build import DTYPES, model_class, native_architecture
 from tuneforge.model.expert_lora import grouped_layers
 from tuneforge.model.portable_adapter import ADAPTER_CONFIG
 from tuneforge.model.quantize import bitsandbytes_config, keep_training_layout, storage_dtype
@@ -49,6 +49,19 @@ class Trained:
 
 def is_adapter(checkpoint: Path) -> bool:
     return (checkpoint / ADAPTER_CONFIG).exists()
+
+
+def is_reward_model(checkpoint: Path) -> bool:
+    """A reward model (`train.objective: reward`): a score head, no LM head; it scores, it does not generate."""
+    if is_adapter(checkpoint):
+        config = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        return isinstance(config, dict) and config.get("task_type") == "SEQ_CLS"
+    try:
+        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return any(str(name).endswith("ForSequenceClassification") for name in architectures or [])
 
 
 def check_checkpoint(checkpoint: Path) -> None:
@@ -131,17 +144,20 @@ def allow_remote_code(path: str, trust_remote_code: bool, recorded: bool = False
 
 
 def _load_base(
-    path: str, adapter_meta: dict[str, Any], dequantize: bool, trust_remote_code: bool = False
+    path: str, adapter_meta: dict[str, Any], dequantize: bool, trust_remote_code: bool = False, scored: bool = False
 ) -> PreTrainedModel:
+    """`scored`: the adapters are a reward model's (their own score head replaces the one made here)."""
     remote = allow_remote_code(path, trust_remote_code, bool(adapter_meta.get("trust_remote_code", False)))
     quantization = adapter_meta.get("quantization")
+    head = {"num_labels": 1} if scored else {}
     if quantization is None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=remote)
+        return model_class(scored).from_pretrained(path, dtype=torch.float32, trust_remote_code=remote, **head)
     settings = QuantizationConfig.model_validate(quantization)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = model_class(scored).from_pretrained(
         path,
         dtype=torch.float32,
         trust_remote_code=remote,
+        **head,
         quantization_config=bitsandbytes_config(settings, sharded_engine=False),
         device_map={"": "cpu"},
     )
@@ -207,12 +223,14 @@ def load_trained(
     with loading("tokenizer", checkpoint):
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=remote)
     if not is_adapter(checkpoint):
+        scored = is_reward_model(checkpoint)
         with loading("model", checkpoint):
-            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=remote)
+            model = model_class(scored).from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=remote)
         return Trained(model.eval(), tokenizer, meta, None)
     base_path = adapter_base(checkpoint, base)
-    base_model = _load_base(base_path, meta.get("adapter", {}), merge, trust_remote_code)
     config = PeftConfig.from_pretrained(checkpoint)
+    scored = config.task_type == "SEQ_CLS"
+    base_model = _load_base(base_path, meta.get("adapter", {}), merge, trust_remote_code, scored)
     if not merge and getattr(config, "target_parameters", None):
         # Adapters on stacked experts run as in training: grouped low-rank products, no W + B·A per token.
         layers, _ = grouped_layers(base_model, config.target_parameters)

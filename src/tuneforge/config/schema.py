@@ -99,9 +99,10 @@ class TrainConfig(Section):
     """MoE models: weight of the router load-balancing loss added to the training loss (it equals top_k when
     routing is balanced). None takes the model config's `router_aux_loss_coef`, else 0.001; 0 turns it off."""
 
-    objective: Literal["sft", "dpo", "orpo"] = "sft"
+    objective: Literal["sft", "dpo", "orpo", "reward"] = "sft"
     """What a step minimises: `sft` the cross-entropy of the answers; `dpo` and `orpo` a preference loss over
-    pairs of a chosen and a rejected answer (`preference:`; the data then holds pairs)."""
+    pairs of a chosen and a rejected answer; `reward` trains a reward model (a scalar score per conversation)
+    to rank each pair's chosen answer above the rejected one (`preference:`; the data then holds pairs)."""
 
     max_nonfinite_steps: int = Field(3, ge=1)
     """A step whose loss or gradient norm is not finite is skipped and reported with its samples; the run stops
@@ -131,13 +132,13 @@ class TrainConfig(Section):
         return self
 
 
-PAIRED_OBJECTIVES = ("dpo", "orpo")
+PAIRED_OBJECTIVES = ("dpo", "orpo", "reward")
 """Objectives trained on pairs of a chosen and a rejected answer."""
 
 
 class PreferenceConfig(Section):
-    """Preference objectives (`train.objective: dpo` or `orpo`): trained on pairs of a chosen and a rejected answer
-    to the same prompt."""
+    """Preference objectives (`train.objective: dpo`, `orpo` or `reward`): trained on pairs of a chosen and a
+    rejected answer to the same prompt."""
 
     model_config = ConfigDict(
         extra="forbid", use_attribute_docstrings=True, validate_assignment=True, populate_by_name=True
@@ -159,6 +160,18 @@ class PreferenceConfig(Section):
 
     orpo_lambda: float = Field(0.1, gt=0, alias="lambda")
     """ORPO: weight of the odds-ratio term beside the chosen answer's cross-entropy (written `lambda`)."""
+
+    reward_loss: Literal["ranking", "focal"] = "ranking"
+    """Reward models: `ranking` is -log sigmoid(score of chosen - score of rejected) (Bradley-Terry); `focal`
+    weighs each pair by (1 - 2 max(0, p - 1/2))^2 with p that sigmoid, so pairs already ranked well count less
+    (InternLM2's focal ranking loss)."""
+
+    penalty: Literal["log_barrier", "l2", "none"] = "log_barrier"
+    """Reward models: keeps scores in a stable range: `log_barrier` is -log(5 - s) - log(s + 5) on every score s
+    (clamped 0.001 inside the bounds), `l2` is s^2; each times `penalty_weight`, per pair."""
+
+    penalty_weight: float = Field(0.01, ge=0)
+    """Reward models: the weight of `penalty` in the loss."""
 
     reference: Literal["auto", "adapters", "precompute"] = "auto"
     """DPO's reference model: `adapters` is the base with the LoRA adapters disabled (no copy; LoRA and QLoRA);
@@ -331,7 +344,7 @@ class Config(Section):
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     """Stall detection."""
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
-    """Preference training (`train.objective: dpo` or `orpo`)."""
+    """Preference training (`train.objective: dpo`, `orpo` or `reward`)."""
 
     @model_validator(mode="after")
     def _check_objective(self) -> Config:
@@ -339,6 +352,11 @@ class Config(Section):
             raise ValueError(
                 "preference.reference: adapters needs model.lora (the reference is the base with the adapters "
                 "disabled); for full fine-tuning use preference.reference: precompute (or auto)"
+            )
+        if self.train.objective == "reward" and (self.eval.sample_prompts or self.eval.exact_match is not None):
+            raise ValueError(
+                "train.objective: reward trains a scoring model, which does not write answers: remove "
+                "eval.sample_prompts and eval.exact_match (validation reports the ranking accuracy of held-out pairs)"
             )
         if self.paired and self.parallel.sequence_parallel > 1:
             raise ValueError(

@@ -66,7 +66,7 @@ def read_conversations(cfg: DataConfig, files: list[str], drops: DropLog) -> tup
                     if is_pair_record(record.value):
                         raise UserError(
                             f"{record.origin}: this row is a preference pair (keys: {keys}), and train.objective "
-                            "sft trains on conversations; set train.objective: dpo or orpo to train on pairs"
+                            "sft trains on conversations; set train.objective: dpo, orpo or reward to train on pairs"
                         )
                     raise UserError(
                         f"{record.origin}: cannot tell the data format from this record (keys: {keys}); expected "
@@ -356,7 +356,8 @@ def prepare_data(
     world_size: int = 1,
     pairs: bool = False,
 ) -> PreparedData:
-    """The train and validation splits; `pairs`: the files hold preference pairs (`train.objective` dpo, orpo)."""
+    """The train and validation splits; `pairs`: the files hold preference pairs (`train.objective` dpo, orpo,
+    reward)."""
     train, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template, rank, world_size, pairs)
     validation = None
     if cfg.validation_files:

@@ -163,16 +163,19 @@ def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap) -> tuple[n
 
     targets = resolve_lora_targets(model, settings, moe)
     custom_layers, grouped_note = grouped_expert_layers(model, settings, targets)
+    # A reward model's new score head trains whole beside the adapters, and PEFT saves it with them.
+    scored = has_score_head(model)
+    modules_to_save = [*settings.modules_to_save, *(["score"] if scored else [])]
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=targets.modules,
         target_parameters=targets.parameters or None,
-        modules_to_save=settings.modules_to_save or None,
+        modules_to_save=modules_to_save or None,
         use_dora=settings.use_dora,
         use_rslora=settings.use_rslora,
-        task_type="CAUSAL_LM",
+        task_type="SEQ_CLS" if scored else "CAUSAL_LM",
     )
     if custom_layers:
         config._register_custom_module(custom_layers)
@@ -183,6 +186,12 @@ def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap) -> tuple[n
         f"lora: r={settings.r} alpha={settings.alpha:g} dropout={settings.dropout:g}, {targets.describe()}"
         + grouped_note,
     )
+
+
+def has_score_head(model: nn.Module) -> bool:
+    """A reward model: transformers' sequence classification form of the network, its `score` head in place of
+    the LM head."""
+    return type(model).__name__.endswith("ForSequenceClassification")
 
 
 def freeze_parameters(model: nn.Module, patterns: list[str]) -> str:

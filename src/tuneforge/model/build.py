@@ -11,6 +11,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -129,11 +130,24 @@ def _skeleton(path: str, remote: bool, required: bool) -> torch.nn.Module | None
         return None
 
 
+def model_class(scalar_head: bool) -> type:
+    """The transformers auto class: the causal LM, or for reward models the same network with a score head
+    (`XForSequenceClassification`, one label) in place of the LM head."""
+    return AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
+
+
 def _load(
-    path: str, cfg: ModelConfig, device: torch.device, sharded_engine: bool, info: DistInfo | None = None
+    path: str,
+    cfg: ModelConfig,
+    device: torch.device,
+    sharded_engine: bool,
+    info: DistInfo | None = None,
+    scalar_head: bool = False,
 ) -> PreTrainedModel:
     remote = cfg.trust_remote_code and not native_architecture(path)
     options: dict = {"dtype": DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
+    if scalar_head:
+        options["num_labels"] = 1
     staging: Staging = "device"
     if cfg.quantization is not None:
         skeleton = _skeleton(path, remote, required=device.type == "cpu")
@@ -143,7 +157,7 @@ def _load(
         options["quantization_config"] = bitsandbytes_config(cfg.quantization, sharded_engine)
         options["device_map"] = {"": "cpu" if staging == "host" else device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote, **options)
+        model = model_class(scalar_head).from_pretrained(path, trust_remote_code=remote, **options)
     except OSError as exc:
         raise UserError(f"model.path: cannot load a model from {path!r} ({exc})") from None
     except ValueError as exc:
@@ -210,10 +224,14 @@ def build_model(
     info: DistInfo | None = None,
     base_dir: Path | None = None,
     sharded_engine: bool = False,
+    scalar_head: bool = False,
 ) -> PreTrainedModel:
-    """A fresh model is initialised under `seed`, so the same config gives the same weights. A fresh model
+    """A fresh model is initialised under `seed`, so the same config gives the same weights where it is
+    initialised on the same device: on a GPU, DDP and single runs initialise there and sharded engines on the
+    host, whose random streams differ (start both from a saved model to compare them). A fresh model
     trained with adapters is first written to `base_dir` (by rank 0): export, chat and quantized loading need
-    its base weights on disk."""
+    its base weights on disk. `scalar_head`: a reward model (see `model_class`), its score head new unless the
+    checkpoint has one; the tokenizer's pad token tells its score position (the last token that is not one)."""
     info = info or DistInfo(0, 1, 0, torch.device("cpu"))
     if cfg.architecture is not None:
         torch.manual_seed(seed)
@@ -221,8 +239,11 @@ def build_model(
         # sharded engine places its shards itself, so it starts from host memory.
         init_device = info.device if info.device.type == "cuda" and not sharded_engine else torch.device("cpu")
         with init_device:
-            model = AutoModelForCausalLM.from_config(
-                _fresh_config(cfg, tokenizer), dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
+            config = _fresh_config(cfg, tokenizer)
+            if scalar_head:
+                config.num_labels = 1
+            model = model_class(scalar_head).from_config(
+                config, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
             )
         if cfg.lora is not None:
             if base_dir is None:
@@ -233,13 +254,15 @@ def build_model(
             barrier(info)
             model.name_or_path = str(base_dir.resolve())
             if cfg.quantization is not None:
-                model = _load(str(base_dir), cfg, info.device, sharded_engine, info)
+                model = _load(str(base_dir), cfg, info.device, sharded_engine, info, scalar_head)
     else:
-        model = _load(cfg.path, cfg, info.device, sharded_engine, info)
+        model = _load(cfg.path, cfg, info.device, sharded_engine, info, scalar_head)
     if cfg.attn_implementation == "sdpa" and model._can_set_attn_implementation():
         # A masked SDPA computes every packed row's whole square (and on GPUs loses the flash kernel): attend
         # within each sample instead, samples batched by length.
         model.set_attn_implementation(packed_attention.register())
+    if scalar_head:
+        model.config.pad_token_id = tokenizer.pad_token_id  # transformers' scoring position needs it
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise UserError(
             f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but the model embeds only "

@@ -18,6 +18,10 @@ DOUBLE_QUANT_GROUP = 256  # double quantization: one fp32 constant per 256 absma
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
 
 
+OUTPUT_HEADS = ("lm_head", "score")
+"""Kept in full precision: the language model head, and the score head of reward models."""
+
+
 def storage_dtype(settings: QuantizationConfig, sharded_engine: bool) -> torch.dtype:
     """ZeRO-3 and FSDP partition only floating-point parameters: packed 4-bit data must be stored in a float
     dtype there, which bitsandbytes supports through its quant storage setting."""
@@ -34,7 +38,7 @@ def bitsandbytes_config(settings: QuantizationConfig, sharded_engine: bool):
         raise UserError(
             "model.quantization needs bitsandbytes: pip install 'tuneforge[qlora]' (or pip install bitsandbytes)"
         ) from None
-    skip = ["lm_head", *settings.skip_modules]
+    skip = [*OUTPUT_HEADS, *settings.skip_modules]
     if settings.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     return BitsAndBytesConfig(
@@ -64,7 +68,7 @@ def matches_module_name(name: str, names: list[str]) -> bool:
 def quantized_linears(model: nn.Module, settings: QuantizationConfig) -> list[tuple[str, nn.Linear]]:
     """The layers bitsandbytes will quantize: linear layers except the output head and `skip_modules`."""
     head = model.get_output_embeddings()
-    skip = ["lm_head", *settings.skip_modules]
+    skip = [*OUTPUT_HEADS, *settings.skip_modules]
     return [
         (name, module)
         for name, module in model.named_modules()

@@ -37,8 +37,10 @@ def write_model_files(
     """The Hugging Face part of a checkpoint (weights or adapter, tokenizer, chat meta) into `directory`.
     `state_dict` holds the whole model's weights when the model itself is sharded. Returns a line saying how an
     adapter's config was written for PEFT's loader, if it had to be."""
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    generation = getattr(model, "generation_config", None)  # a reward model has none: it does not generate
+    if generation is not None:
+        generation.eos_token_id = tokenizer.eos_token_id
+        generation.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     note = make_portable(directory, model.get_base_model().config.model_type) if hasattr(model, "peft_config") else ""
     tokenizer.save_pretrained(directory)

@@ -16,6 +16,7 @@ from tuneforge.objective.preference import (
     disabled_adapters_reference,
     precomputed_reference,
 )
+from tuneforge.objective.reward import RewardRanking
 
 
 def build_objective(
@@ -50,6 +51,16 @@ def build_objective(
             settings.loss_type,
             settings.label_smoothing,
             settings.sft_weight,
+            balance,
+            engine.sum_tensor_across_ranks,
+        )
+    if objective == "reward":
+        return RewardRanking(
+            forward,
+            engine.unwrapped.config.pad_token_id,
+            settings.reward_loss,
+            settings.penalty,
+            settings.penalty_weight,
             balance,
             engine.sum_tensor_across_ranks,
         )

@@ -327,7 +327,8 @@ def trainable_model(
 ) -> tuple[torch.nn.Module, MoEMap, RouterBalance | None, float]:
     """The loaded model made trainable (adapters or frozen parts), its MoE map (found on the base model before
     adapters wrap it), the router balance hooks, and the model FLOPs a token needs."""
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded)
+    scalar_head = cfg.train.objective == "reward"
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded, scalar_head)
     architecture, model_config = type(model).__name__, model.config
     moe = find_moe(model)
     if moe:

@@ -110,8 +110,12 @@ class DataMapping(MapperBase):
         self.result.notes.append(
             "build_preference_dataset renders pairs with the tokenizer's chat template -> data.template: tokenizer"
         )
-        if self.take(dataset, "is_reward"):
-            self.unmapped(self.line(dataset, "is_reward"), "is_reward = True", "reward-model data is not read yet")
+        if self.take(dataset, "is_reward") and (token := self.take(dataset, "reward_token_id")) is not None:
+            self.result.notes.append(
+                f"reward_token_id = {token} (line {self.line(dataset, 'is_reward')}): xtuner appends that token to "
+                "every conversation and scores there; tuneforge scores at the conversation's last token that is not "
+                "the pad token, where AutoModelForSequenceClassification reads it, so no token is added"
+            )
         if (length := self.number(dataset, "max_length", "train_dataset")) is not None:
             self.put("max_length", int(length), self.line(dataset, "max_length"))
         if self.take(dataset, "use_varlen_attn"):

@@ -9,12 +9,11 @@ from typing import Any
 from tuneforge.xtuner.evaluate import Call
 from tuneforge.xtuner.mapper_base import MapperBase, dtype_name, shown
 
-PREFERENCE_MODELS = {"DPO": "dpo", "ORPO": "orpo"}
+PREFERENCE_MODELS = {"DPO": "dpo", "ORPO": "orpo", "RewardModel": "reward"}
 """xtuner's preference wrappers and the `train.objective` that trains the same loss."""
 REFUSED_MODELS = {
     "LLaVAModel": "vision-language training (image encoder and projector); tuneforge fine-tunes text-only models",
     "InternVL_V1_5": "vision-language training (image encoder and projector); tuneforge fine-tunes text-only models",
-    "RewardModel": "reward-model training; tuneforge trains causal LMs (SFT, DPO, ORPO), not scalar heads yet",
 }
 """xtuner model wrappers whose training tuneforge does not do: the whole config is refused, with this reason."""
 
@@ -82,9 +81,13 @@ class ModelMapping(MapperBase):
             self.leftovers(tokenizer, "tokenizer")
 
     def map_preference(self, model: Call, objective: str) -> None:
-        """DPO's and ORPO's own settings; the language model and its adapters are mapped as for SFT."""
+        """DPO's, ORPO's and the reward model's own settings; the language model and its adapters are mapped as
+        for SFT."""
         self.section("train")["objective"] = objective
         preference = self.section("preference")
+        if objective == "reward":
+            self.map_reward(model, preference)
+            return
         beta = self.number(model, "beta", "model")
         if objective == "orpo":
             if beta is not None:
@@ -108,6 +111,21 @@ class ModelMapping(MapperBase):
         if self.take(model, "ref_llm") is not None or not lora:
             how = "the base with the adapters disabled" if lora else "precomputed once, before training"
             self.result.notes.append(f"DPO reference (xtuner: a copy of the model) -> {how}; no second model held")
+
+    def map_reward(self, model: Call, preference: dict[str, Any]) -> None:
+        """xtuner's RewardModel: its loss, penalty and penalty weight (its defaults: ranking, log_barrier, 0.01,
+        which are tuneforge's too). Its head becomes transformers' score head."""
+        if (loss := self.take(model, "loss_type")) is not None:
+            preference["reward_loss"] = loss
+        if (penalty := self.take(model, "penalty_type")) is not None:
+            preference["penalty"] = {"L2": "l2"}.get(penalty, penalty)
+        if (weight := self.number(model, "penalty_weight", "model")) is not None:
+            preference["penalty_weight"] = weight
+        self.take(model, "reward_token_id")  # said with the dataset's, where xtuner uses it
+        self.result.notes.append(
+            "RewardModel -> train.objective: reward; its value head -> the score head of transformers' "
+            "sequence classification model (exports load with AutoModelForSequenceClassification)"
+        )
 
     def map_quantization(self, call: Call) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -113,7 +113,14 @@ class TrainingMapping(MapperBase):
             if not isinstance(hook, Call):
                 continue
             kind = type_name(hook.type)
-            if kind == "EvaluateChatHook":
+            if kind == "EvaluateChatHook" and self.section("train").get("objective") == "reward":
+                self.result.notes.append(
+                    f"EvaluateChatHook (line {hook.line}): not carried over: a reward model scores and does not "
+                    "write answers; validation reports the ranking accuracy of held-out pairs"
+                )
+                for key in list(hook.fields):
+                    self.take(hook, key)
+            elif kind == "EvaluateChatHook":
                 if (inputs := self.take(hook, "evaluation_inputs")) is not None:
                     line, fix = self.line(hook, "evaluation_inputs"), "set eval.sample_prompts"
                     evaluation["sample_prompts"] = self.strings(inputs, line, "evaluation_inputs", fix) or []

@@ -1,0 +1,148 @@
+"""Reward models (`train.objective: reward`): a scalar score per conversation from transformers' sequence
+classification form of the network, trained to rank each pair's chosen answer first. The loss of a batch equals
+its definition computed from transformers' own scoring of each conversation alone (so the score is read where
+an exported model reads it), packed pairs equal unpacked ones, and a trained model exported through the CLI
+scores conversations in `AutoModelForSequenceClassification` as tuneforge did."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from test_preference import pair, pair_data
+from tuneforge.config.schema import PreferenceConfig
+from tuneforge.data.batching import collate
+from tuneforge.train.loop import accumulate_gradients
+from tuneforge.train.objectives import build_objective
+
+from conftest import TINY_DENSE, TINY_LLAMA, TUNEFORGE, launch, single_engine, write_jsonl
+
+
+def tiny_reward_model(tokenizer, seed: int = 0) -> LlamaForSequenceClassification:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), **TINY_DENSE, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():  # scores spread enough that the penalties and the focal weight matter
+        model.score.weight.mul_(40)
+    return model
+
+
+def transformers_score(model, data, index: int) -> float:
+    """The conversation's score as transformers computes it, the conversation alone in its batch."""
+    ids, _ = data.sample(index)
+    with torch.no_grad():
+        return float(model(input_ids=torch.tensor(ids[None].astype("int64"))).logits[0, 0])
+
+
+def definition(loss_type: str, penalty: str, weight: float, chosen: float, rejected: float) -> float:
+    p = 1 / (1 + math.exp(-(chosen - rejected)))
+    loss = -math.log(p) * ((1 - 2 * max(0.0, p - 0.5)) ** 2 if loss_type == "focal" else 1.0)
+    for score in (chosen, rejected):
+        if penalty == "log_barrier":
+            inside = min(max(score, -5 + 1e-3), 5 - 1e-3)
+            loss += weight * (-math.log(5 - inside) - math.log(inside + 5))
+        elif penalty == "l2":
+            loss += weight * score**2
+    return loss
+
+
+@pytest.mark.parametrize(("loss_type", "penalty"), [("ranking", "none"), ("focal", "log_barrier"), ("ranking", "l2")])
+def test_the_reward_loss_of_a_batch_equals_its_definition_from_transformers_own_scores(
+    tmp_path, tokenizer, loss_type, penalty
+):
+    data = pair_data(tmp_path, tokenizer, [pair(i) for i in range(3)]).data
+    model = tiny_reward_model(tokenizer)
+    engine = single_engine(model)
+    settings = PreferenceConfig(reward_loss=loss_type, penalty=penalty, penalty_weight=0.05)
+    objective = build_objective(engine, "fp32", objective="reward", preference=settings)
+    # Pairs 0 and 1 share a row, pair 2 has its own.
+    step = accumulate_gradients(
+        engine, [collate(data, [[0, 1, 2, 3], [4, 5]], tokenizer.pad_token_id, True)], objective
+    )
+    scores = [(transformers_score(model, data, 2 * k), transformers_score(model, data, 2 * k + 1)) for k in range(3)]
+    assert any(abs(c) > 1 for c, _ in scores)  # the penalties see scores of some size
+    expected = sum(definition(loss_type, penalty, 0.05, c, r) for c, r in scores) / 3
+    assert step.loss == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    assert step.metrics["rewards/chosen"] == pytest.approx(sum(c for c, _ in scores) / 3, rel=1e-4, abs=1e-5)
+    assert step.metrics["rewards/margin"] == pytest.approx(sum(c - r for c, r in scores) / 3, rel=1e-4, abs=1e-5)
+    assert step.metrics["rewards/accuracy"] == pytest.approx(sum(c > r for c, r in scores) / 3)
+
+
+def test_pairs_packed_in_one_row_score_and_train_as_in_rows_of_their_own(tmp_path, tokenizer):
+    data = pair_data(tmp_path, tokenizer, [pair(i) for i in range(2)]).data
+    results = []
+    for rows, packed in (([[0, 1, 2, 3]], True), ([[0], [1], [2], [3]], False)):
+        model = tiny_reward_model(tokenizer)
+        engine = single_engine(model)
+        objective = build_objective(engine, "fp32", objective="reward", preference=PreferenceConfig())
+        step = accumulate_gradients(engine, [collate(data, rows, tokenizer.pad_token_id, packed)], objective)
+        results.append((step.loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (packed_loss, packed_grads), (plain_loss, plain_grads) = results
+    assert packed_loss == pytest.approx(plain_loss, rel=1e-5)
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+REWARD_JOB = (
+    TINY_LLAMA
+    + """data: {train_files: [pairs.jsonl], validation_files: [held.jsonl], cache_dir: null}
+train: {objective: reward, lr: 3.0e-3, micro_batch_size: 4, max_steps: 12, precision: fp32}
+preference: {reward_loss: focal, penalty: l2, penalty_weight: 0.01}
+eval: {every_steps: 6}
+checkpoint: {every_steps: 0}
+log: {progress: lines, plot: false}
+"""
+)
+
+
+def scores_of(model, tokenizer, conversations: list[list[int]]) -> list[float]:
+    """Scores of token sequences, padded together in one batch (on the right, as transformers expects)."""
+    width = max(map(len, conversations))
+    ids = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in conversations])
+    with torch.no_grad():
+        return model(input_ids=ids).logits[:, 0].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_reward_model_trained_through_the_cli_exports_a_sequence_classifier_that_scores_the_same(tmp_path, lora):
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(48)])
+    write_jsonl(tmp_path / "held.jsonl", [pair(i) for i in range(100, 108)])
+    (tmp_path / "cfg.yaml").write_text(REWARD_JOB)
+    run = launch(tmp_path / "cfg.yaml", tmp_path / "run", *(["model.lora={r: 4, alpha: 8}"] if lora else []))
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracy", "val_rewards/accuracy"} <= records[-1].keys()
+    assert records[-1]["rewards/accuracy"] > 0.5 and records[-1]["loss"] < records[0]["loss"]
+
+    final, out = tmp_path / "run" / "checkpoints" / "final", tmp_path / "exported"
+    exported = subprocess.run(
+        [TUNEFORGE, "export", str(final), "--out", str(out), "--merge"], capture_output=True, text=True
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert "reward model (" in exported.stdout
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    data = pair_data(tmp_path, tokenizer, [pair(i) for i in range(100, 103)]).data
+    conversations = [data.sample(k)[0].tolist() for k in range(6)]
+    merged = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    if lora:  # the adapters as PEFT loads them, score head included
+        trained = AutoPeftModelForSequenceClassification.from_pretrained(final).eval()
+    else:
+        trained = AutoModelForSequenceClassification.from_pretrained(final).eval()
+    expected = scores_of(trained, tokenizer, conversations)
+    assert scores_of(merged, tokenizer, conversations) == pytest.approx(expected, abs=1e-5)
+    # tuneforge's own scoring of the same conversations, packed in one row, agrees.
+    model = trained.merge_and_unload() if lora else trained
+    objective = build_objective(single_engine(model), "fp32", objective="reward", preference=PreferenceConfig())
+    ours = objective.scores(collate(data, [list(range(6))], tokenizer.pad_token_id, True)).tolist()
+    assert ours == pytest.approx(expected, abs=1e-5)
+    chat = subprocess.run([TUNEFORGE, "chat", str(final), "--prompt", "hi"], capture_output=True, text=True)
+    assert chat.returncode == 2 and "a reward model (train.objective: reward) scores conversations" in chat.stderr
