@@ -146,3 +146,46 @@ def test_a_reward_model_trained_through_the_cli_exports_a_sequence_classifier_th
     assert ours == pytest.approx(expected, abs=1e-5)
     chat = subprocess.run([TUNEFORGE, "chat", str(final), "--prompt", "hi"], capture_output=True, text=True)
     assert chat.returncode == 2 and "a reward model (train.objective: reward) scores conversations" in chat.stderr
+
+
+@pytest.mark.slow
+def test_a_reward_model_in_the_reports_set_up_on_two_ranks_equals_one_process(tmp_path):
+    """4-bit DeepseekV2, adapters on the routed experts, ZeRO-3 with CPU offload, 2 ranks: the same losses,
+    accuracies, router loss and adapters (score head included) as one process with the same global batch."""
+    from safetensors.torch import load_file
+
+    from test_resume import QUANTIZED_SIZES
+
+    from conftest import ENGINES, metrics, train_here
+
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
+    config = tmp_path / "cfg.yaml"
+    config.write_text(f"""\
+model:
+  architecture: deepseek_v2
+  size: {QUANTIZED_SIZES["deepseek_v2"]}
+  tokenizer: bytes
+  lora: {{r: 8, alpha: 16, dropout: 0.0, experts: true}}
+  quantization: {{bits: 4, quant_type: nf4, double_quant: true, compute_dtype: float32}}
+data: {{train_files: [pairs.jsonl], cache_dir: null}}
+train: {{objective: reward, lr: 1.0e-2, warmup_steps: 1, precision: fp32, gradient_accumulation: 2, max_steps: 3}}
+checkpoint: {{every_steps: 0}}
+log: {{progress: lines}}
+""")
+    one = train_here(config, tmp_path / "one", "train.micro_batch_size=4")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "model: DeepseekV2ForSequenceClassification" in one.stdout and "chat with it" not in one.stdout
+    lora_line = next(line for line in one.stdout.splitlines() if line.startswith("lora: "))
+    assert "experts.gate_up_proj" in lora_line and "score" not in lora_line  # the head trains whole, not by LoRA
+    two = launch(config, tmp_path / "two", "train.micro_batch_size=2", *ENGINES["zero3_offload"], ranks=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    mine, theirs = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    for key in ("loss", "rewards/margin", "rewards/accuracy", "router_aux_loss"):
+        assert [r[key] for r in mine] == pytest.approx([r[key] for r in theirs], abs=1e-5), key
+    adapter = tmp_path / "{}" / "checkpoints" / "final" / "adapter_model.safetensors"
+    one_weights, two_weights = (load_file(str(adapter).format(run)) for run in ("one", "two"))
+    assert one_weights.keys() == two_weights.keys() and any(".score." in name for name in one_weights)
+    # Adam divides each gradient by its own running size, so summation-order noise in near-zero gradients moves
+    # a weight by up to a few lr * 1e-3 (lr 1e-2 here): 1e-4 is far below any real difference (a step is 1e-2).
+    for name, tensor in one_weights.items():
+        torch.testing.assert_close(two_weights[name], tensor, atol=1e-4, rtol=1e-4, msg=name)

@@ -54,7 +54,9 @@ def _matches(name: str, targets: str | list[str]) -> bool:
 def resolve_lora_targets(model: nn.Module, settings: LoraSettings, moe: MoEMap) -> LoraTargets:
     """Targets on the base model `model`, whose MoE map is `moe` (the run's, found before anything wrapped it)."""
     routers = {id(router) for router in moe.routers()}
+    # The output head: the LM head, or a reward model's score head (trained whole, not through adapters).
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = getattr(model, "score", None) if has_score_head(model) else head
 
     modules, parameters, skipped = [], [], 0
     for name, module in model.named_modules():

@@ -491,7 +491,8 @@ def closing_summary(history: list[dict], work_dir: Path, cfg: Config) -> list[st
     final = checkpoints / "final"
     if cfg.checkpoint.save_final:
         lines.append(f"checkpoints: {checkpoints} (final model: {final})")
-        lines.append(f"chat with it:  tuneforge chat {shlex.quote(str(final))}")
+        if cfg.train.objective != "reward":  # a reward model scores; it does not chat
+            lines.append(f"chat with it:  tuneforge chat {shlex.quote(str(final))}")
         merge = " --merge" if cfg.model.lora is not None else ""
         out = shlex.quote(str(work_dir / "export"))
         lines.append(f"export it:     tuneforge export {shlex.quote(str(final))} --out {out}{merge}")
