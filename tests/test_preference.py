@@ -400,3 +400,40 @@ def test_the_dpo_demo_config_trains_and_validates(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     record = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()][-1]
     assert {"val_loss", "val_rewards/accuracy", "rewards/margin"} <= record.keys()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("objective", "lora", "engine"),
+    [
+        ("dpo", "model.lora={r: 4, alpha: 8, dropout: 0.0}", "ddp"),
+        ("dpo", "model.lora=null", "fsdp"),  # full fine-tuning: the precomputed reference split too
+        ("reward", "model.lora={r: 4, alpha: 8, dropout: 0.0}", "ddp"),
+    ],
+)
+def test_pairs_split_across_two_ranks_equal_one_process_with_whole_rows(tmp_path, objective, lora, engine):
+    """Sequence parallelism 2: each row of pairs split in half across the ranks, an answer's log-probability
+    (a conversation's score) the sum of both halves' parts: the same losses, rewards and weights as one process."""
+    from safetensors.torch import load_file
+
+    from conftest import ENGINES, TINY_MODELS, metrics, train_here
+
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
+    config = tmp_path / "cfg.yaml"
+    config.write_text(PAIRED_JOB.format(model=TINY_MODELS["llama"]))
+    settings = ["train.micro_batch_size=2", f"train.objective={objective}", lora]
+    one = train_here(config, tmp_path / "one", *settings)
+    assert one.returncode == 0, one.stderr[-3000:]
+    split = ["parallel.sequence_parallel=2", *ENGINES[engine]]
+    two = launch(config, tmp_path / "two", *settings, *split, ranks=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "sequence parallel: each row split across 2 ranks" in two.stdout
+    mine, theirs = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    for key in ("loss", "rewards/margin", "rewards/accuracy"):
+        assert [r[key] for r in mine] == pytest.approx([r[key] for r in theirs], abs=1e-5), key
+    weights = "adapter_model" if "lora=null" not in lora else "model"
+    path = tmp_path / "{}" / "checkpoints" / "final" / f"{weights}.safetensors"
+    one_weights, two_weights = (load_file(str(path).format(run)) for run in ("one", "two"))
+    assert one_weights.keys() == two_weights.keys()
+    for name, tensor in one_weights.items():
+        torch.testing.assert_close(two_weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)

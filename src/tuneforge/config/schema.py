@@ -358,11 +358,6 @@ class Config(Section):
                 "train.objective: reward trains a scoring model, which does not write answers: remove "
                 "eval.sample_prompts and eval.exact_match (validation reports the ranking accuracy of held-out pairs)"
             )
-        if self.paired and self.parallel.sequence_parallel > 1:
-            raise ValueError(
-                f"train.objective: {self.train.objective} with parallel.sequence_parallel > 1 is not supported yet "
-                "(an answer's log-probability would be split across ranks); set parallel.sequence_parallel: 1"
-            )
         return self
 
     @property

@@ -49,6 +49,11 @@ class MicroBatch:
     sample_indices: list[int] = field(default_factory=list)
     """The data index of each sample, in the order of `origins` (row by row): where per-sample values computed
     once (a preference reference's log-probs) are looked up."""
+    whole_rows: MicroBatch | None = None
+    """Under sequence parallelism, the whole rows this batch is shard `sequence_shard[0]` of; None otherwise.
+    Per-sample values (an answer's log-probability, a conversation's score) are sums over the shards."""
+    sequence_shard: tuple[int, int] = (0, 1)
+    """(shard, shards) of the rows under sequence parallelism."""
 
     def __post_init__(self) -> None:
         if self.global_targets < 0:
@@ -124,6 +129,8 @@ def shard_rows(batch: MicroBatch, shard: int, size: int) -> MicroBatch:
         global_targets=batch.global_targets,
         global_samples=batch.global_samples,
         sample_indices=batch.sample_indices,
+        whole_rows=batch,
+        sequence_shard=(shard, size),
     )
 
 

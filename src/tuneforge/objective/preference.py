@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.templates import IGNORE_INDEX
+from tuneforge.model import sequence_parallel
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.model.transfer import to_device
 from tuneforge.objective.base import Metrics, Objective, SumAcrossRanks
@@ -31,39 +34,64 @@ gradient)."""
 
 @dataclass(frozen=True)
 class AnswerLayout:
-    """Where each labelled position's answer is: the answer index of every target (on the device), and the
-    number of answers and of target tokens per answer."""
+    """Where each labelled position's answer is: the answer index of every target this rank holds (on the
+    device), and the number of answers and of target tokens per answer (of the whole rows).
+
+    Under sequence parallelism an answer's tokens are spread over the shards of a group: `sums` adds the
+    group's parts (a differentiable all-reduce), so every shard computes the same per-pair losses, and only the
+    first shard reports them (`owner`); the others contribute the gradients of their tokens through the sum."""
 
     answer_of_target: torch.Tensor
     answers: int
     tokens: torch.Tensor
+    owner: bool = True
+    """This rank reports the pairs' losses and metrics (always, without sequence parallelism)."""
+    group: Any = None
+    """The sequence-parallel group whose shards' sums are added; None without sequence parallelism."""
 
     @staticmethod
     def of(batch: MicroBatch, device: torch.device) -> AnswerLayout:
         answer, tokens = answer_of_targets(batch)
-        return AnswerLayout(to_device(answer, device), len(tokens), to_device(tokens.float(), device))
-
-    def sums(self, log_probs: torch.Tensor) -> torch.Tensor:
-        """Per answer: the sum of its targets' log-probs."""
-        return torch.zeros(self.answers, dtype=log_probs.dtype, device=log_probs.device).index_add_(
-            0, self.answer_of_target, log_probs
+        shard, shards = batch.sequence_shard
+        group = sequence_parallel.group() if shards > 1 else None
+        return AnswerLayout(
+            to_device(answer, device), len(tokens), to_device(tokens.float(), device), shard == 0, group
         )
 
+    def sums(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """Per answer: the sum of its targets' log-probs (over the whole rows)."""
+        local = torch.zeros(self.answers, dtype=log_probs.dtype, device=log_probs.device).index_add_(
+            0, self.answer_of_target, log_probs
+        )
+        return add_shards(local, self.group)
+
     def real_pairs(self) -> torch.Tensor:
-        """1.0 for pairs whose chosen answer has targets (rows repeated to fill a validation batch have none)."""
-        return (self.tokens[0::2] > 0).float()
+        """1.0 for the pairs this rank reports whose chosen answer has targets (rows repeated to fill a
+        validation batch have none); 0.0 for every pair on shards other than the first."""
+        return (self.tokens[0::2] > 0).float() * float(self.owner)
+
+
+def add_shards(values: torch.Tensor, group: Any) -> torch.Tensor:
+    """`values` summed over the sequence-parallel `group` (None: as they are); backward sums the gradients the
+    same way, so each shard receives the gradient of the whole sum."""
+    if group is None:
+        return values
+    return differentiable_all_reduce(values, group=group)
 
 
 def answer_of_targets(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the answer index of every labelled position, target tokens per answer), from the CPU copy of the batch:
-    nothing here waits on the device."""
-    sequence = batch.sequence_ids
-    per_row = (sequence.max(dim=1).values + 1).clamp(min=0)
+    """(the answer index of every labelled position this batch holds, target tokens per answer of the whole
+    rows), from the CPU copy of the batch: nothing here waits on the device."""
+    rows = batch.whole_rows if batch.whole_rows is not None else batch
+    per_row = (rows.sequence_ids.max(dim=1).values + 1).clamp(min=0)
     first = torch.cumsum(per_row, 0) - per_row
-    answer = (first[:, None] + sequence).reshape(-1)[batch.targets.reshape(-1) != IGNORE_INDEX]
+
+    def answers_of(part: MicroBatch) -> torch.Tensor:
+        return (first[:, None] + part.sequence_ids).reshape(-1)[part.targets.reshape(-1) != IGNORE_INDEX]
+
     answers = int(per_row.sum())
     assert answers % 2 == 0 and answers == batch.num_samples, "rows hold whole pairs"
-    return answer, torch.bincount(answer, minlength=answers)
+    return answers_of(batch), torch.bincount(answers_of(rows), minlength=answers)
 
 
 def answer_log_probs(forward: TokenForward, batch: MicroBatch) -> torch.Tensor:
@@ -97,7 +125,10 @@ class PairObjective(Objective):
     metric_names = REWARD_METRICS
 
     def count(self, batch: MicroBatch) -> int:
-        """Pairs whose chosen answer has targets (rows repeated to fill a validation batch have none)."""
+        """Pairs whose chosen answer has targets (rows repeated to fill a validation batch have none), counted
+        by the first shard of a sequence-parallel group only."""
+        if batch.sequence_shard[0] != 0:
+            return 0
         _, tokens = answer_of_targets(batch)
         return int((tokens[0::2] > 0).sum())
 

@@ -20,7 +20,7 @@ from tuneforge.model.router_balance import RouterBalance
 from tuneforge.model.transfer import to_device
 from tuneforge.objective.base import Metrics, SumAcrossRanks
 from tuneforge.objective.forward import TokenForward
-from tuneforge.objective.preference import AnswerLayout, PairObjective
+from tuneforge.objective.preference import AnswerLayout, PairObjective, add_shards
 
 SCORE_BOUND = 5.0
 """The log barrier keeps scores inside (-5, 5) (InternLM2's bounds, as xtuner uses them)."""
@@ -47,6 +47,18 @@ def score_positions(batch: MicroBatch, pad_id: int) -> torch.Tensor:
     flat = torch.arange(sequence.numel()).reshape(sequence.shape)
     positions = torch.full((int(per_row.sum()),), -1, dtype=torch.long)
     return positions.scatter_reduce(0, answer[scored], flat[scored], "amax")
+
+
+def local_positions(batch: MicroBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each answer's scoring position within this batch's tensors (0 where it is not here), and whether it is
+    here: under sequence parallelism a row's positions are split into equal contiguous shards."""
+    rows = batch.whole_rows if batch.whole_rows is not None else batch
+    positions = score_positions(rows, pad_id)
+    width, local_width = rows.input_ids.size(1), batch.input_ids.size(1)
+    start = batch.sequence_shard[0] * local_width
+    row, column = positions // width, positions % width
+    held = (positions >= 0) & (column >= start) & (column < start + local_width)
+    return torch.where(held, row * local_width + column - start, 0), held
 
 
 def ranking_losses(chosen: torch.Tensor, rejected: torch.Tensor, loss_type: str) -> torch.Tensor:
@@ -99,14 +111,17 @@ class RewardRanking(PairObjective):
         score_head(forward.plain).register_forward_hook(lambda _module, _args, output: self._outputs.append(output))
 
     def scores(self, batch: MicroBatch) -> torch.Tensor:
-        """Each answer's score (fp32, on the model's device), in answer order."""
+        """Each answer's score (fp32, on the model's device), in answer order. Under sequence parallelism the
+        shard holding a conversation's scoring position gives it, and the group's shards add them up."""
         inputs = model_inputs(self.forward.plain, batch, self.forward.device)
         self._outputs.clear()
         with autocast(self.forward.precision, self.forward.device):
             self.forward.model(**inputs, use_cache=False)
         per_position = self._outputs.pop().reshape(-1)
-        positions = to_device(score_positions(batch, self.pad_id).clamp(min=0), self.forward.device)
-        return per_position.index_select(0, positions).float()
+        local, held = local_positions(batch, self.pad_id)
+        device = self.forward.device
+        values = per_position.index_select(0, to_device(local, device)).float() * to_device(held.float(), device)
+        return add_shards(values, AnswerLayout.of(batch, device).group)
 
     def evaluate(self, batch: MicroBatch, prepared: object) -> tuple[torch.Tensor, Metrics]:
         layout = AnswerLayout.of(batch, self.forward.device)
