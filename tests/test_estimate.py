@@ -335,3 +335,21 @@ def test_the_doctor_names_expert_parallelism_for_full_fine_tuning_of_an_moe_unde
     assert "fix: parallel.engine=deepspeed zero_stage=2 expert_parallel=8: 8 of the 64 experts per rank" in out
     main(["doctor", str(job), "--nproc-per-node", "8", "--gpu", "h100", "--model-config", shapes, "model.lora.r=8"])
     assert "expert_parallel=" not in capsys.readouterr().out  # LoRA: AutoEP cannot keep adapters on experts
+
+
+def test_preference_pairs_hold_two_answers_a_row_and_dpo_pays_its_reference_forward(llama):
+    """A DPO micro-batch of N pairs holds 2N answers: twice the activations and tokens of N SFT rows, plus one
+    forward of the base with the adapters off (about half a LoRA training pass's matmuls: forward and input
+    gradients, the frozen base has no weight gradients); a reward model computes no vocabulary logits."""
+    sft = estimate(config(model=LORA), llama, "single", 1, H100)
+    dpo = estimate(config(model=LORA, train={"objective": "dpo"}), llama, "single", 1, H100)
+    reward = estimate(config(model=LORA, train={"objective": "reward"}), llama, "single", 1, H100)
+    assert row(dpo, "activations").gpu == pytest.approx(2 * row(sft, "activations").gpu)
+    assert "(a pair's two answers)" in row(dpo, "activations").label
+    assert dpo.tokens_per_step == 2 * sft.tokens_per_step
+    times = {name: seconds for name, seconds, _ in dpo.times}
+    assert times["compute"] == pytest.approx(2 * dict((n, s) for n, s, _ in sft.times)["compute"])
+    assert 0.45 * times["compute"] < times["reference forward"] < 0.5 * times["compute"]
+    assert dpo.step_s == pytest.approx(times["compute"] + times["reference forward"])
+    assert not any(r.label.startswith(("fused loss", "logits")) for r in reward.rows)
+    assert "reference forward" not in {name for name, _, _ in reward.times}

@@ -21,7 +21,7 @@ from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import ACCELERATORS, GIB, Accelerator, local_accelerator
 from tuneforge.estimate.memory import memory_use
 from tuneforge.estimate.report import Estimate, assumptions, format_estimate
-from tuneforge.estimate.shapes import model_shapes
+from tuneforge.estimate.shapes import model_shapes, row_label, row_tokens
 from tuneforge.estimate.timing import step_times
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.precision import choose_precision, with_precision
@@ -47,13 +47,13 @@ def estimate(
     kbit = kbit_bytes(quantization.bits, quantization.double_quant) if quantization is not None else 0.0
     s = model_shapes(cfg, skeleton, moe, compute_bytes)
     memory = memory_use(cfg, s, traits, world_size, per_node, compute_bytes, kbit, accelerator.memory_gib * GIB)
-    tokens_micro = train.micro_batch_size * cfg.data.max_length
+    tokens_micro = train.micro_batch_size * row_tokens(cfg)
     groups = world_size // par.sequence_parallel  # a sequence-parallel group of ranks shares its rows
     tokens_step = groups * train.gradient_accumulation * tokens_micro
     ranks = f"{groups} ranks" if par.sequence_parallel == 1 else f"{groups} groups of {par.sequence_parallel} ranks"
     tokens_note = (
         f"{ranks} x {train.gradient_accumulation} micro-batches x {train.micro_batch_size} x "
-        f"{cfg.data.max_length} tokens" + ("" if cfg.data.packing else "; without packing an upper bound")
+        f"{row_label(cfg)} tokens" + ("" if cfg.data.packing else "; without packing an upper bound")
     )
     times, step_s = step_times(
         cfg, s, traits, world_size, per_node, accelerator, kbit, compute_bytes, memory.trainable_bytes

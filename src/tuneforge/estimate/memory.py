@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import GIB
-from tuneforge.estimate.shapes import ModelShapes, count_label
+from tuneforge.estimate.shapes import ModelShapes, count_label, row_label, row_tokens
 from tuneforge.model.staging import LOAD_CONTEXT_BYTES, choose_staging, device_load_bytes, host_staged_gpu_bytes
 from tuneforge.objective.fused_loss import LOGIT_BYTES as FUSED_LOGIT_BYTES
 from tuneforge.objective.fused_loss import chunk_rows
@@ -144,7 +144,7 @@ def activation_rows(cfg: Config, s: ModelShapes, traits: EngineTraits, compute_b
     par, train = cfg.parallel, cfg.train
     # Under sequence parallelism a rank holds 1/N of every row's tokens (attention: all tokens of 1/N of the heads).
     split = par.sequence_parallel
-    tokens_micro = train.micro_batch_size * cfg.data.max_length // split
+    tokens_micro = train.micro_batch_size * row_tokens(cfg) // split
     shard = f"/{split} (sequence parallel)" if split > 1 else ""
     if train.gradient_checkpointing:
         per_token = s.layers * s.hidden + s.act_max_layer  # layer inputs, one layer recomputed
@@ -154,11 +154,13 @@ def activation_rows(cfg: Config, s: ModelShapes, traits: EngineTraits, compute_b
         act_how = "all layers"
     rows = [
         Row(
-            f"activations: {train.micro_batch_size} x {cfg.data.max_length}{shard} tokens, {act_how}",
+            f"activations: {train.micro_batch_size} x {row_label(cfg)}{shard} tokens, {act_how}",
             tokens_micro * per_token * compute_bytes,
         )
     ]
     head_wrapped = cfg.model.lora is not None and "lm_head" in (cfg.model.lora.modules_to_save or [])
+    if cfg.train.objective == "reward":  # a score head: one value per token, no vocabulary
+        return rows
     if not traits.fuses_output_layer or head_wrapped:  # the model's own logits for the whole batch
         rows.append(Row(f"logits and loss: {tokens_micro} x {s.vocab}", tokens_micro * s.vocab * LOGITS_BYTES))
     else:  # the fused loss holds one chunk of logits and the hidden states' gradient

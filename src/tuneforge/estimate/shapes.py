@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -75,82 +75,122 @@ def _saved_values(param: nn.Parameter, activity: float) -> float:
     return param.numel()
 
 
+@dataclass
+class AdapterShapes:
+    """What LoRA adds: adapter parameters per targeted module, the rest of the trained values (stacked experts'
+    factors, `modules_to_save`), what a token multiplies with in grouped form, and the activation values each
+    adapted module saves per token and compute byte."""
+
+    per_module: dict[str, float]
+    extra: int = 0
+    grouped_active: float = 0.0
+    saved: dict[str, float] = field(default_factory=dict)
+    peft_form: list[nn.Parameter] = field(default_factory=list)
+    """Stacked expert weights whose adapters run in PEFT's W + B@A form."""
+
+
+def adapter_shapes(
+    model: nn.Module, cfg: Config, moe: MoEMap, share: dict[int, float], compute_bytes: int
+) -> AdapterShapes:
+    lora = cfg.model.lora
+    if lora is None:
+        return AdapterShapes({})
+    targets = resolve_lora_targets(model, lora, moe)
+    per_module: dict[str, float] = {}
+    saved: dict[str, float] = {}
+    for name in targets.modules:
+        module = model.get_submodule(name)
+        per_module[name] = lora.r * (module.in_features + module.out_features) + (
+            module.out_features if lora.use_dora else 0
+        )
+        dropout = module.in_features * (1 + 1 / compute_bytes) if lora.dropout > 0 else 0.0
+        saved[name] = share.get(id(module.weight), 1.0) * (dropout + lora.r)  # the dropped input, its mask, A's out
+    shapes = AdapterShapes(per_module, saved=saved)
+    peft_form = stacked_experts_in_peft_form(model, lora, targets)
+    for name in targets.parameters:
+        param = model.get_parameter(name)
+        low_rank = param.shape[0] * lora.r * (param.shape[1] + param.shape[2])
+        shapes.extra += low_rank
+        experts = name.rsplit(".", 1)[0]
+        if experts in peft_form:
+            shapes.peft_form.append(param)
+            continue
+        # (x·A_e)·B_e: a token multiplies with its top-k experts' factors.
+        shapes.grouped_active += share.get(id(param), 1.0) * low_rank
+        dropout = param.shape[-1] * (1 + 1 / compute_bytes) if lora.dropout > 0 else 0.0
+        saved[experts] = saved.get(experts, 0.0) + share.get(id(param), 1.0) * param.shape[0] * (dropout + lora.r)
+    for name, module in model.named_modules():
+        if lora.modules_to_save and matches_module_name(name, lora.modules_to_save):
+            shapes.extra += sum(p.numel() for p in module.parameters())
+    return shapes
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    layers: int
+    saved_per_layer: list[float]
+    """Activation values per token and compute byte each decoder layer leaves for backward."""
+    largest_quantized: int
+    largest_other: int
+    """The largest layer's quantized and other values (what a sharding engine gathers at once)."""
+    in_layers: int
+    """Parameters inside the decoder layers."""
+
+
+def layer_profile(
+    layers: list[nn.Module],
+    share: dict[int, float],
+    quantized_ids: set[int],
+    saved: dict[str, float],
+    names: dict[int, str],
+) -> LayerProfile:
+    per_layer = []
+    largest_quantized, largest_other, in_layers = 0, 0, 0
+    for layer in layers:
+        values = sum(_saved_values(p, share.get(id(p), 1.0)) for p in layer.parameters())
+        values += sum(saved.get(names[id(m)], 0.0) for m in layer.modules())
+        per_layer.append(values)
+        quantized = sum(p.numel() for p in layer.parameters() if id(p) in quantized_ids)
+        total = sum(p.numel() for p in layer.parameters())
+        in_layers += total
+        if total > largest_quantized + largest_other:
+            largest_quantized, largest_other = quantized, total - quantized
+    return LayerProfile(len(layers), per_layer, largest_quantized, largest_other, in_layers)
+
+
 def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int) -> ModelShapes:
     share = matmul_shares(model, moe)
     quantization = cfg.model.quantization
-    quantized_ids, stacked_quantized_ids = set(), set()
+    linear_quantized_ids, stacked_quantized_ids = set(), set()
     if quantization is not None:
-        quantized_ids = {id(module.weight) for _, module in quantized_linears(model, quantization)}
+        linear_quantized_ids = {id(module.weight) for _, module in quantized_linears(model, quantization)}
         stacked_quantized_ids = {id(p) for p in quantizable_weights(model, quantization)}
-    linear_quantized_ids = set(quantized_ids)
-    quantized_ids |= stacked_quantized_ids
+    quantized_ids = linear_quantized_ids | stacked_quantized_ids
     params = list(model.parameters())
     active = {id(p): share.get(id(p), 1.0) * p.numel() for p in params}
     routed_ids = {id(p) for _, p in _routed_parameters(model, moe)}
 
-    lora = cfg.model.lora
+    adapters = adapter_shapes(model, cfg, moe, share, compute_bytes)
     trainable_ids: set[int] = set()
-    adapters: dict[str, float] = {}  # module name -> adapter parameters
-    stacked: list[nn.Parameter] = []
-    extra = 0
-    grouped_active = 0.0
-    lora_saved: dict[str, float] = {}  # module name -> saved bytes per token and compute byte
-    if lora is not None:
-        targets = resolve_lora_targets(model, lora, moe)
-        for name in targets.modules:
-            module = model.get_submodule(name)
-            adapters[name] = lora.r * (module.in_features + module.out_features) + (
-                module.out_features if lora.use_dora else 0
-            )
-        peft_form = stacked_experts_in_peft_form(model, lora, targets)
-        for name in targets.parameters:
-            param = model.get_parameter(name)
-            low_rank = param.shape[0] * lora.r * (param.shape[1] + param.shape[2])
-            extra += low_rank
-            experts = name.rsplit(".", 1)[0]
-            if experts not in peft_form:  # (x·A_e)·B_e: a token multiplies with its top-k experts' factors
-                grouped_active += share.get(id(param), 1.0) * low_rank
-                dropout = param.shape[-1] * (1 + 1 / compute_bytes) if lora.dropout > 0 else 0.0
-                lora_saved[experts] = lora_saved.get(experts, 0.0) + share.get(id(param), 1.0) * param.shape[0] * (
-                    dropout + lora.r
-                )
-            else:
-                stacked.append(param)
-        for name, module in model.named_modules():
-            if lora.modules_to_save and matches_module_name(name, lora.modules_to_save):
-                extra += sum(p.numel() for p in module.parameters())
-    else:
+    if cfg.model.lora is None:
         patterns = [re.compile(p) for p in cfg.model.freeze]
         trainable_ids = {id(p) for n, p in model.named_parameters() if not any(r.search(n) for r in patterns)}
-    trainable = sum(p.numel() for p in params if id(p) in trainable_ids) + int(sum(adapters.values())) + extra
+    trainable = sum(p.numel() for p in params if id(p) in trainable_ids)
+    trainable += int(sum(adapters.per_module.values())) + adapters.extra
     quantized = sum(p.numel() for p in params if id(p) in quantized_ids)
     frozen = sum(p.numel() for p in params if id(p) not in quantized_ids and id(p) not in trainable_ids)
 
     names = {id(module): name for name, module in model.named_modules()}
-    if lora is not None:  # bytes per token and compute byte: the dropped-out input and its mask, A's output
-        for name in adapters:
-            module = model.get_submodule(name)
-            dropout = module.in_features * (1 + 1 / compute_bytes) if lora.dropout > 0 else 0.0
-            lora_saved[name] = share.get(id(module.weight), 1.0) * (dropout + lora.r)
     layers = decoder_layers(model)
-    per_layer = []
-    layer_quantized, layer_other, in_layers = 0, 0, 0
-    for layer in layers:
-        values = sum(_saved_values(p, share.get(id(p), 1.0)) for p in layer.parameters())
-        values += sum(lora_saved.get(names[id(m)], 0.0) for m in layer.modules())
-        per_layer.append(values)
-        q = sum(p.numel() for p in layer.parameters() if id(p) in quantized_ids)
-        n = sum(p.numel() for p in layer.parameters())
-        in_layers += n
-        if n > layer_quantized + layer_other:
-            layer_quantized, layer_other = q, n - q
+    profile = layer_profile(layers, share, quantized_ids, adapters.saved, names)
+    stacked = adapters.peft_form
     stacked_ids = {id(p) for p in stacked}
+    module_active = sum(share.get(id(model.get_submodule(n).weight), 1.0) * c for n, c in adapters.per_module.items())
     return ModelShapes(
         quantized=quantized,
         frozen=frozen,
         trainable=trainable,
-        adapter_active=grouped_active
-        + sum(share.get(id(model.get_submodule(n).weight), 1.0) * count for n, count in adapters.items()),
+        adapter_active=adapters.grouped_active + module_active,
         stacked_adapted=sum(p.numel() for p in stacked),
         stacked_layers=sum(1 for layer in layers if any(id(p) in stacked_ids for p in layer.parameters())),
         active=sum(active.values()),
@@ -161,18 +201,27 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
         stacked_quantized_largest=max((p.numel() for p in params if id(p) in stacked_quantized_ids), default=0),
         active_trainable=sum(v for k, v in active.items() if k in trainable_ids)
         + sum(share.get(id(p), 1.0) * p.numel() for p in stacked),
-        layers=len(layers),
+        layers=profile.layers,
         hidden=model.config.hidden_size,
         vocab=model.get_output_embeddings().weight.shape[0],
-        layer_quantized=layer_quantized,
-        layer_other=layer_other,
-        outside_layers=sum(p.numel() for p in params) - in_layers,
-        act_total=sum(per_layer),
-        act_max_layer=max(per_layer),
+        layer_quantized=profile.largest_quantized,
+        layer_other=profile.largest_other,
+        outside_layers=sum(p.numel() for p in params) - profile.in_layers,
+        act_total=sum(profile.saved_per_layer),
+        act_max_layer=max(profile.saved_per_layer),
         routed_trainable=sum(p.numel() for p in params if id(p) in routed_ids and id(p) in trainable_ids),
         moe_layers=len(list(moe)),
         top_k=int(moe.top_k or 0),
     )
+
+
+def row_tokens(cfg: Config) -> int:
+    """Tokens of one micro-batch row at most: a sample, or a pair's two answers (which share a row)."""
+    return cfg.data.max_length * (2 if cfg.paired else 1)
+
+
+def row_label(cfg: Config) -> str:
+    return f"{row_tokens(cfg)}" + (" (a pair's two answers)" if cfg.paired else "")
 
 
 def count_label(values: float) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import Accelerator
-from tuneforge.estimate.shapes import ModelShapes, count_label
+from tuneforge.estimate.shapes import ModelShapes, count_label, row_tokens
 
 BASE_MFU = 0.35  # share of peak bf16 FLOP/s a Hugging Face model reaches in training with SDPA/flash attention
 QUANTIZED_EFFICIENCY = 0.5  # k-bit layers dequantize their weight before each matmul: about half the throughput
@@ -52,7 +52,7 @@ def step_times(
 
 def _tokens_micro(cfg: Config) -> int:
     """This rank's share of a micro-batch's rows, in tokens."""
-    return cfg.train.micro_batch_size * cfg.data.max_length // cfg.parallel.sequence_parallel
+    return cfg.train.micro_batch_size * row_tokens(cfg) // cfg.parallel.sequence_parallel
 
 
 def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
@@ -62,8 +62,8 @@ def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
     passes = 4 + (2 if train.gradient_checkpointing else 0)  # forward, input gradients, recompute: 2 each
     rate = accelerator.bf16_flops * BASE_MFU
     other = s.active - s.active_quantized - s.active_routed
-    weighted = passes * (other + s.active_quantized / QUANTIZED_EFFICIENCY + s.active_routed / EXPERT_EFFICIENCY)
-    weighted += 2 * s.active_trainable + 6 * s.adapter_active  # weight gradients; adapter matmuls
+    forward = other + s.active_quantized / QUANTIZED_EFFICIENCY + s.active_routed / EXPERT_EFFICIENCY
+    weighted = passes * forward + 2 * s.active_trainable + 6 * s.adapter_active  # weight gradients; adapter matmuls
     flops_token = passes * s.active + 2 * s.active_trainable + 6 * s.adapter_active
     compute = micro * tokens_micro * weighted / rate
     mfu_note = (
@@ -72,6 +72,9 @@ def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
         + (f", k-bit layers x{QUANTIZED_EFFICIENCY}" if s.active_quantized else "")
     )
     times = [("compute", compute, f"{flops_token / 1e9:.1f} GFLOP/token, {mfu_note}")]
+    if cfg.train.objective == "dpo" and cfg.reference == "adapters":  # the same forward, adapters off, no backward
+        reference = micro * tokens_micro * 2 * forward / rate
+        times.append(("reference forward", reference, "the base with its adapters disabled, no gradient"))
     bandwidth = accelerator.memory_bytes_per_s or 2e12
     if s.stacked_adapted:  # W + B@A formed in full on every pass: memory-bound on the GPU
         delta_passes = 2 + (1 if train.gradient_checkpointing else 0)
