@@ -189,3 +189,20 @@ log: {{progress: lines}}
     # a weight by up to a few lr * 1e-3 (lr 1e-2 here): 1e-4 is far below any real difference (a step is 1e-2).
     for name, tensor in one_weights.items():
         torch.testing.assert_close(two_weights[name], tensor, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_a_reward_checkpoint_is_told_by_its_files_and_damaged_ones_are_left_to_the_loader(tmp_path):
+    from tuneforge.trained import is_reward_model
+
+    cases = {
+        "full": ("config.json", '{"architectures": ["LlamaForSequenceClassification"]}', True),
+        "causal": ("config.json", '{"architectures": ["LlamaForCausalLM"]}', False),
+        "odd": ("config.json", '{"architectures": "LlamaForSequenceClassification"}', False),
+        "damaged": ("config.json", "{not json", False),
+        "adapter": ("adapter_config.json", '{"task_type": "SEQ_CLS"}', True),
+        "damaged-adapter": ("adapter_config.json", "[", False),
+    }
+    for name, (file, text, expected) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / file).write_text(text)
+        assert is_reward_model(tmp_path / name) is expected, name

@@ -53,15 +53,15 @@ def is_adapter(checkpoint: Path) -> bool:
 
 def is_reward_model(checkpoint: Path) -> bool:
     """A reward model (`train.objective: reward`): a score head, no LM head; it scores, it does not generate."""
-    if is_adapter(checkpoint):
-        config = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-        return isinstance(config, dict) and config.get("task_type") == "SEQ_CLS"
-    try:
+    try:  # a damaged file is reported by the loader that reads it next, with its own message
+        if is_adapter(checkpoint):
+            config = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+            return isinstance(config, dict) and config.get("task_type") == "SEQ_CLS"
         config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     architectures = config.get("architectures") if isinstance(config, dict) else None
-    return any(str(name).endswith("ForSequenceClassification") for name in architectures or [])
+    return isinstance(architectures, list) and any(str(a).endswith("ForSequenceClassification") for a in architectures)
 
 
 def check_checkpoint(checkpoint: Path) -> None:
