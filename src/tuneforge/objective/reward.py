@@ -110,9 +110,10 @@ class RewardRanking(PairObjective):
         # the head's weight is whole only inside that forward).
         score_head(forward.plain).register_forward_hook(lambda _module, _args, output: self._outputs.append(output))
 
-    def scores(self, batch: MicroBatch) -> torch.Tensor:
+    def scores(self, batch: MicroBatch, layout: AnswerLayout | None = None) -> torch.Tensor:
         """Each answer's score (fp32, on the model's device), in answer order. Under sequence parallelism the
-        shard holding a conversation's scoring position gives it, and the group's shards add them up."""
+        shard holding a conversation's scoring position gives it, and the group's shards add them up.
+        `layout`: the batch's, when the caller has it already."""
         inputs = model_inputs(self.forward.plain, batch, self.forward.device)
         self._outputs.clear()
         with autocast(self.forward.precision, self.forward.device):
@@ -121,11 +122,12 @@ class RewardRanking(PairObjective):
         local, held = local_positions(batch, self.pad_id)
         device = self.forward.device
         values = per_position.index_select(0, to_device(local, device)).float() * to_device(held.float(), device)
-        return add_shards(values, AnswerLayout.of(batch, device).group)
+        layout = layout if layout is not None else AnswerLayout.of(batch, device)
+        return add_shards(values, layout.group)
 
     def evaluate(self, batch: MicroBatch, prepared: object) -> tuple[torch.Tensor, Metrics]:
         layout = AnswerLayout.of(batch, self.forward.device)
-        scores = self.scores(batch)
+        scores = self.scores(batch, layout)
         chosen, rejected = scores[0::2], scores[1::2]
         losses = ranking_losses(chosen, rejected, self.loss_type)
         if self.penalty_weight and self.penalty != "none":
