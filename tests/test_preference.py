@@ -414,7 +414,7 @@ def test_the_dpo_demo_config_trains_and_validates(tmp_path):
 def test_pairs_split_across_two_ranks_equal_one_process_with_whole_rows(tmp_path, objective, lora, engine):
     """Sequence parallelism 2: each row of pairs split in half across the ranks, an answer's log-probability
     (a conversation's score) the sum of both halves' parts: the same losses, rewards and weights as one process."""
-    from safetensors.torch import load_file
+    from test_sequence_parallel import assert_same_weights
 
     from conftest import ENGINES, TINY_MODELS, metrics, train_here
 
@@ -432,8 +432,4 @@ def test_pairs_split_across_two_ranks_equal_one_process_with_whole_rows(tmp_path
     for key in ("loss", "rewards/margin", "rewards/accuracy"):
         assert [r[key] for r in mine] == pytest.approx([r[key] for r in theirs], abs=1e-5), key
     weights = "adapter_model" if "lora=null" not in lora else "model"
-    path = tmp_path / "{}" / "checkpoints" / "final" / f"{weights}.safetensors"
-    one_weights, two_weights = (load_file(str(path).format(run)) for run in ("one", "two"))
-    assert one_weights.keys() == two_weights.keys()
-    for name, tensor in one_weights.items():
-        torch.testing.assert_close(two_weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_weights(tmp_path / "one", tmp_path / "two", f"{weights}.safetensors")
