@@ -185,3 +185,11 @@ def test_a_skip_pattern_that_is_no_regular_expression_is_refused_at_load(tmp_pat
     assert "'(?i)experts' is not a valid regular expression" in error_of(
         write(tmp_path, BASE.replace("  tokenizer: bytes\n", lines))
     )
+
+
+def test_a_frozen_reference_model_under_expert_parallelism_is_refused_with_the_alternatives(tmp_path):
+    text = BASE + "  objective: dpo\npreference: {reference: model}\nparallel: {engine: deepspeed, zero_stage: 2}\n"
+    message = error_of(write(tmp_path, text), ["parallel.expert_parallel=2"])
+    assert "preference.reference: model is not built under parallel.expert_parallel" in message
+    assert "use preference.reference: precompute, or adapters with LoRA" in message
+    load_config(write(tmp_path, text), [])  # without expert parallelism it is a valid config

@@ -353,3 +353,30 @@ def test_preference_pairs_hold_two_answers_a_row_and_dpo_pays_its_reference_forw
     assert dpo.step_s == pytest.approx(times["compute"] + times["reference forward"])
     assert not any(r.label.startswith(("fused loss", "logits")) for r in reward.rows)
     assert "reference forward" not in {name for name, _, _ in reward.times}
+
+
+def test_a_frozen_reference_model_is_counted_where_the_engine_holds_it(llama):
+    """`preference.reference: model` holds a second copy of the model before training: sharded over the ranks
+    with FSDP2 (and in host RAM under offload), in 4 bits plus the rest with QLoRA; each micro-batch runs one more
+    forward and, sharded, gathers the copy once more. A precomputed reference adds none of it."""
+    full = {"train": {"objective": "dpo"}, "parallel": {"engine": "fsdp"}}
+    table = estimate(config(**full), llama, "fsdp", 8, H100)
+    copy = estimate(config(**full, preference={"reference": "model"}), llama, "fsdp", 8, H100)
+    total = sum(p.numel() for p in llama.parameters())
+    assert not any(r.label.startswith("reference model") for r in table.rows)
+    assert row(copy, "reference model").gpu == pytest.approx(total * 2 / 8)  # bf16 weights, an eighth each
+    times = {name: seconds for name, seconds, _ in copy.times}
+    assert "reference forward" in times and "reference forward" not in {n for n, _, _ in table.times}
+    assert times["collectives"] > dict((n, s) for n, s, _ in table.times)["collectives"]
+
+    offload = {**full, "parallel": {"engine": "fsdp", "cpu_offload": "all"}, "preference": {"reference": "model"}}
+    offloaded = row(estimate(config(**offload), llama, "fsdp", 8, H100), "reference model")
+    assert offloaded.gpu == 0 and offloaded.host == pytest.approx(total * 2)  # 8 ranks' eighths on one node
+
+    quantization = {"bits": 4, "double_quant": True}
+    qlora = config(
+        model={**LORA, "quantization": quantization}, train={"objective": "dpo"}, preference={"reference": "model"}
+    )
+    quantized = sum(m.weight.numel() for _, m in quantized_linears(llama, qlora.model.quantization))
+    held = row(estimate(qlora, llama, "single", 1, H100), "reference model").gpu
+    assert held == pytest.approx(quantized * kbit_bytes(4, True) + (total - quantized) * 2)

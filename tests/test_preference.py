@@ -186,6 +186,34 @@ def test_the_dpo_loss_of_a_batch_equals_its_definition(tmp_path, tokenizer, loss
     assert step.metrics["rewards/accuracy"] == pytest.approx(sum(c > r for c, r in rewards) / 3)
 
 
+def test_a_frozen_copy_as_reference_equals_the_disabled_adapters(tmp_path, tokenizer):
+    """`preference.reference: model` with LoRA: a frozen copy of the base, held by the engine, gives the same
+    step (loss, rewards, gradients) as the policy with its adapters disabled."""
+    split = pair_data(tmp_path, tokenizer, [pair(i) for i in range(3)])
+    batch = collate(split.data, [[0, 1, 2, 3], [4, 5]], tokenizer.pad_token_id, packed=True)
+    steps = []
+    for frozen_copy in (False, True):
+        model = lora_model(tokenizer)
+        engine = single_engine(model)
+        reference = engine.frozen(tiny_llama(tokenizer)) if frozen_copy else None  # the same base weights
+        objective = build_objective(
+            engine, "fp32", objective="dpo", preference=PreferenceConfig(beta=0.5), reference_model=reference
+        )
+        step = accumulate_gradients(engine, [batch], objective)
+        steps.append((step, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        if frozen_copy:
+            assert not any(p.requires_grad for p in reference.plain.parameters())
+            assert all(p.grad is None for p in reference.plain.parameters())
+    (adapters, adapter_grads), (copy, copy_grads) = steps
+    assert adapters.metrics["rewards/margin"] != 0  # the policy differs from the reference
+    assert copy.loss == pytest.approx(adapters.loss, rel=1e-6)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"):
+        assert copy.metrics[key] == pytest.approx(adapters.metrics[key], rel=1e-5, abs=1e-7), key
+    assert copy_grads.keys() == adapter_grads.keys() and copy_grads
+    for name, grad in adapter_grads.items():
+        torch.testing.assert_close(copy_grads[name], grad, atol=1e-7, rtol=1e-5, msg=name)
+
+
 def test_orpo_equals_its_definition(tmp_path, tokenizer):
     split = pair_data(tmp_path, tokenizer, [pair(i) for i in range(2)])
     data, model = split.data, lora_model(tokenizer)
@@ -307,17 +335,23 @@ log: {{progress: lines}}
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model", "engine", "lora"),
+    ("model", "engine", "lora", "reference"),
     [
-        ("llama", "ddp", "model.lora={r: 4, alpha: 8, dropout: 0.0}"),
-        ("deepseek_v2", "zero3_offload", "model.lora={r: 4, alpha: 8, dropout: 0.0, experts: true}"),
-        ("llama", "fsdp", "model.lora=null"),  # full fine-tuning: the reference precomputed over both ranks
+        ("llama", "ddp", "model.lora={r: 4, alpha: 8, dropout: 0.0}", "auto"),
+        ("deepseek_v2", "zero3_offload", "model.lora={r: 4, alpha: 8, dropout: 0.0, experts: true}", "auto"),
+        ("llama", "fsdp", "model.lora=null", "auto"),  # full fine-tuning: the reference precomputed over both ranks
+        # A frozen copy sharded like the policy, against the one process's precomputed table: under ZeRO-3 with
+        # offload its MoE blocks must be gathered whole too, or ranks routing differently wait on each other.
+        ("llama", "fsdp", "model.lora=null", "model"),
+        ("deepseek_v2", "zero3_offload", "model.lora=null", "model"),
     ],
 )
-def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora):
+def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora, reference):
     """The same global batch of pairs on 2 ranks and in 1 process: the same losses, rewards and adapter. The
     MoE case is the report's set-up in small (adapters on the routed experts, ZeRO-3 with CPU offload), where the
-    reference pass (adapters disabled) must not add router statistics: the router loss matches too."""
+    reference pass (adapters disabled) must not add router statistics: the router loss matches too. With
+    `reference=model` the 2 ranks hold a frozen copy of the model (sharded by the engine) as the reference, the
+    one process its precomputed log-probs."""
     from safetensors.torch import load_file
 
     from conftest import ENGINES, TINY_MODELS, metrics, train_here
@@ -327,8 +361,18 @@ def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora):
     config.write_text(PAIRED_JOB.format(model=TINY_MODELS[model]))
     one = train_here(config, tmp_path / "one", "train.micro_batch_size=4", lora)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = launch(config, tmp_path / "two", "train.micro_batch_size=2", lora, *ENGINES[engine], ranks=2)
+    two = launch(
+        config,
+        tmp_path / "two",
+        "train.micro_batch_size=2",
+        lora,
+        f"preference.reference={reference}",
+        *ENGINES[engine],
+        ranks=2,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
+    if reference == "model":
+        assert "dpo reference: a frozen copy of the model before training" in two.stdout
     mine, theirs = metrics(tmp_path / "two"), metrics(tmp_path / "one")
     for key in ("loss", "rewards/margin", "rewards/accuracy", *(["router_aux_loss"] if model != "llama" else [])):
         assert [r[key] for r in mine] == pytest.approx([r[key] for r in theirs], abs=1e-5), key
@@ -338,6 +382,44 @@ def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora):
     assert one_weights.keys() == two_weights.keys()
     for name, tensor in one_weights.items():
         torch.testing.assert_close(two_weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_in_the_reports_set_up_a_frozen_4bit_copy_equals_the_disabled_adapters(tmp_path):
+    """QLoRA on a DeepseekV2 with adapters on the routed experts, ZeRO-3 with offload on 2 ranks: the reference as
+    a frozen 4-bit copy of the base, partitioned by ZeRO-3 like the policy, trains exactly as the policy with
+    its adapters disabled (losses, rewards and the policy's router loss)."""
+    from test_resume import QUANTIZED_SIZES
+
+    from conftest import ENGINES, metrics
+
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
+    config = tmp_path / "cfg.yaml"
+    config.write_text(f"""\
+model:
+  architecture: deepseek_v2
+  size: {QUANTIZED_SIZES["deepseek_v2"]}
+  tokenizer: bytes
+  lora: {{r: 8, alpha: 16, dropout: 0.0, experts: true}}
+  quantization: {{bits: 4, quant_type: nf4, double_quant: true, compute_dtype: float32}}
+data: {{train_files: [pairs.jsonl], cache_dir: null}}
+train: {{objective: dpo, lr: 1.0e-2, warmup_steps: 1, precision: fp32, micro_batch_size: 2, gradient_accumulation: 2,
+  max_steps: 3}}
+checkpoint: {{every_steps: 0, save_final: false}}
+log: {{progress: lines}}
+""")
+    runs = {
+        reference: launch(
+            config, tmp_path / reference, f"preference.reference={reference}", *ENGINES["zero3_offload"], ranks=2
+        )
+        for reference in ("adapters", "model")
+    }
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-3000:]
+    adapters, copy = metrics(tmp_path / "adapters"), metrics(tmp_path / "model")
+    assert adapters[-1]["rewards/margin"] > 0  # the policy has moved away from its reference
+    for key in ("loss", "rewards/chosen", "rewards/margin", "router_aux_loss"):
+        assert [r[key] for r in copy] == pytest.approx([r[key] for r in adapters], abs=1e-6), key
 
 
 @pytest.mark.slow

@@ -173,11 +173,13 @@ class PreferenceConfig(Section):
     penalty_weight: float = Field(0.01, ge=0)
     """Reward models: the weight of `penalty` in the loss."""
 
-    reference: Literal["auto", "adapters", "precompute"] = "auto"
+    reference: Literal["auto", "adapters", "precompute", "model"] = "auto"
     """DPO's reference model: `adapters` is the base with the LoRA adapters disabled (no copy; LoRA and QLoRA);
     `precompute` is every answer's log-probability under the model before training, computed in one pass and
-    kept in the work dir (`reference/`, read again on resume); `auto` takes `adapters` with LoRA, else
-    `precompute`."""
+    kept in the work dir (`reference/`, read again on resume); `model` is a frozen copy of the model before
+    training (the base, with LoRA), loaded a second time and held like the policy: a replica per rank, or sharded
+    by FSDP2 or ZeRO-3 (offloaded with it); one more forward per micro-batch, no pass before training. `auto`
+    takes `adapters` with LoRA, else `precompute`."""
 
 
 class ParallelConfig(Section):
@@ -352,6 +354,11 @@ class Config(Section):
             raise ValueError(
                 "preference.reference: adapters needs model.lora (the reference is the base with the adapters "
                 "disabled); for full fine-tuning use preference.reference: precompute (or auto)"
+            )
+        if self.train.objective == "dpo" and self.preference.reference == "model" and self.parallel.expert_parallel > 1:
+            raise ValueError(
+                "preference.reference: model is not built under parallel.expert_parallel (a second AutoEP model); "
+                "use preference.reference: precompute, or adapters with LoRA"
             )
         if self.train.objective == "reward" and (self.eval.sample_prompts or self.eval.exact_match is not None):
             raise ValueError(

@@ -70,6 +70,22 @@ class EngineTraits:
             )
 
 
+@dataclass(frozen=True)
+class FrozenModel:
+    """A second model that does not train (DPO's frozen reference), held the way its engine holds the policy:
+    a replica per rank, or sharded over the ranks (its forwards are then collectives, run in the same order on
+    every rank)."""
+
+    module: torch.nn.Module
+    """What to call for a forward (possibly the engine's wrapper)."""
+    plain: torch.nn.Module
+    """The Hugging Face model inside it."""
+    fuses_output_layer: bool
+    """The output layer's weight is whole after the forward (see `EngineTraits.fuses_output_layer`)."""
+    release: Callable[[], None] = lambda: None
+    """Called after each use: frees what the forward gathered and kept (FSDP2 keeps its root unit whole)."""
+
+
 def global_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """The gradients' global norm before clipping, as a tensor on their device (nothing waits for it); the
     gradients clipped to `max_norm` (0: not clipped). A non-finite norm leaves them non-finite: the step that
@@ -186,6 +202,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load_state(self, directory: Path) -> None:
         """Restore what `save_state` wrote (same world size). Every rank calls it."""
+
+    @abc.abstractmethod
+    def frozen(self, model: torch.nn.Module) -> FrozenModel:
+        """`model` with no gradient and in eval mode, placed like the policy (`FrozenModel`). Every rank calls it:
+        sharding engines shard it with the same process group and settings."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights for saving, on rank 0. A collective for sharded engines: every rank calls

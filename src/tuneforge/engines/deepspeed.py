@@ -20,7 +20,7 @@ import torch
 
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
-from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
+from tuneforge.engines.base import Engine, EngineTraits, FrozenModel, OptimizerFactory
 from tuneforge.engines.expert_parallel import autoep_section, hugging_face_state_dict
 from tuneforge.errors import SharedUserError, UserError
 from tuneforge.model.moe import MoEMap
@@ -166,10 +166,8 @@ class DeepSpeedEngine(Engine):
             ours = autoep_section(self.expert_parallel, model.config.model_type)
             self.config["expert_parallel"] = {**ours, **self.config.get("expert_parallel", {})}
         self._check_overrides(parallel, train)
-        if self.traits.moe_safety and self.moe:
-            deepspeed.utils.set_z3_leaf_modules(model, self.moe.block_classes)
-        if parallel.cpu_offload != "all":
-            model = model.to(info.device)
+        self._offloads_parameters = parallel.cpu_offload == "all"
+        model = self._placed(model)
         optimizer = make_optimizer(model)
         parameters = None
         if self.expert_parallel > 1:
@@ -219,6 +217,36 @@ class DeepSpeedEngine(Engine):
                 f"parallel.deepspeed_config sets gradient_clipping={self.config['gradient_clipping']}; set "
                 "train.max_grad_norm instead"
             )
+
+    def _placed(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` made ready for `deepspeed.initialize`: under ZeRO-3 its MoE blocks are gathered whole (leaf
+        modules, see the module's docstring); on the device unless its parameters are offloaded."""
+        import deepspeed
+
+        if self.traits.moe_safety and self.moe:
+            deepspeed.utils.set_z3_leaf_modules(model, self.moe.block_classes)
+        return model if self._offloads_parameters else model.to(self.info.device)
+
+    def frozen(self, model: torch.nn.Module) -> FrozenModel:
+        model = model.requires_grad_(False).eval()
+        if not self.traits.sharded:  # below ZeRO-3 every rank holds the whole model: a replica
+            if self.traits.casts_parameters:  # the dtype DeepSpeed computes the policy in
+                # nn.Module's own `to` casts floating-point tensors only (k-bit weights stay as they are), where
+                # transformers' refuses any cast of a quantized model.
+                dtype = torch.bfloat16 if self.config["bf16"]["enabled"] else torch.float16
+                torch.nn.Module.to(model, dtype)
+            model = model.to(self.info.device)
+            return FrozenModel(model, model, self.traits.fuses_output_layer)
+        import deepspeed
+
+        # ZeRO-3 without an optimizer: DeepSpeed partitions the parameters (offloaded like the policy's) and
+        # gathers each module's for its forward, as it does for inference.
+        zero = {key: value for key, value in self.config["zero_optimization"].items() if key != "offload_optimizer"}
+        config = {key: value for key, value in self.config.items() if key != "expert_parallel"}
+        config["zero_optimization"] = zero
+        wrapped, *_ = deepspeed.initialize(model=self._placed(model), config=config, dist_init_required=False)
+        wrapped.eval()
+        return FrozenModel(wrapped, wrapped.module, self.traits.fuses_output_layer)
 
     @property
     def model(self) -> torch.nn.Module:

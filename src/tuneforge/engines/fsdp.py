@@ -26,7 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
-from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
+from tuneforge.engines.base import Engine, EngineTraits, FrozenModel, OptimizerFactory
 from tuneforge.errors import UserError, first_line
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.structure import decoder_layers
@@ -121,23 +121,14 @@ class FSDPEngine(Engine):
     ):
         super().__init__(info, parallel, train, moe)
         parallel, train = parallel or ParallelConfig(), train or TrainConfig(precision="fp32")
-        cpu_offload = parallel.cpu_offload == "all"
-        mesh = init_device_mesh(info.device.type, (info.world_size,))
-        options: dict = {"mesh": mesh}
+        self._options: dict = {"mesh": init_device_mesh(info.device.type, (info.world_size,))}
         # bf16 parameters pay off on GPUs; on CPU, autocast does the bf16 compute with fp32 weights.
         if train.precision == "bf16" and info.device.type == "cuda":
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cpu_offload:
+            self._options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if parallel.cpu_offload == "all":
             # Pinned host memory speeds up copies to a GPU and does not exist without one.
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
-        else:
-            model = model.to(info.device)
-        # The root unit is the Hugging Face model itself, inside a PEFT wrapper if there is one: generation calls
-        # that model's forward directly, and its hooks are what gather the root's parameters (the embeddings).
-        root = model.get_base_model() if hasattr(model, "get_base_model") else model
-        for layer in decoder_layers(root):
-            fully_shard(layer, **options)
-        fully_shard(root, **options)
+            self._options["offload_policy"] = CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
+        root = self._shard(model)
         if self.traits.moe_safety and self.moe:
             # Experts that receive no tokens on one rank have no gradient there: reduce zeros for them, so
             # every rank's reduce-scatter has the same size.
@@ -146,6 +137,24 @@ class FSDPEngine(Engine):
         self._model = model
         # Built after sharding: the optimizer must hold the sharded parameters.
         self.optimizer = make_optimizer(model)
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` sharded in units of one decoder layer plus the root; returns the root unit. The root is the
+        Hugging Face model itself, inside a PEFT wrapper if there is one: generation calls that model's forward
+        directly, and its hooks are what gather the root's parameters (the embeddings)."""
+        if "offload_policy" not in self._options:
+            model.to(self.info.device)
+        root = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in decoder_layers(root):
+            fully_shard(layer, **self._options)
+        fully_shard(root, **self._options)
+        return root
+
+    def frozen(self, model: torch.nn.Module) -> FrozenModel:
+        root = self._shard(model.requires_grad_(False).eval())
+        # The root unit stays gathered after its forward (FSDP2 expects the backward to need it at once); with
+        # no backward to come, it is sharded again once the reference's log-probs are read.
+        return FrozenModel(root, root, fuses_output_layer=True, release=root.reshard)
 
     @property
     def model(self) -> torch.nn.Module:

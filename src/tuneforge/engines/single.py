@@ -8,7 +8,7 @@ import torch
 
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
-from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
+from tuneforge.engines.base import Engine, EngineTraits, FrozenModel, OptimizerFactory
 from tuneforge.model.moe import MoEMap
 
 
@@ -62,6 +62,11 @@ class SingleEngine(Engine):
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaled(loss).backward()
+
+    def frozen(self, model: torch.nn.Module) -> FrozenModel:
+        # A replica per rank (DDP too): a model without gradients has nothing to synchronise.
+        model = model.requires_grad_(False).eval().to(self.info.device)
+        return FrozenModel(model, model, self.traits.fuses_output_layer)
 
     def step(self, lr: float, max_grad_norm: float) -> torch.Tensor | float:
         return self._clipped_step(self._plain.parameters(), lr, max_grad_norm)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import GIB
-from tuneforge.estimate.shapes import ModelShapes, count_label, row_label, row_tokens
+from tuneforge.estimate.shapes import ModelShapes, count_label, frozen_copy, row_label, row_tokens
 from tuneforge.model.staging import LOAD_CONTEXT_BYTES, choose_staging, device_load_bytes, host_staged_gpu_bytes
 from tuneforge.objective.fused_loss import LOGIT_BYTES as FUSED_LOGIT_BYTES
 from tuneforge.objective.fused_loss import chunk_rows
@@ -105,6 +105,17 @@ def state_rows(
     ]
     if not s.quantized and not s.frozen:
         rows.pop(0)  # full fine-tuning: no frozen base
+    copy_quantized, copy_other = frozen_copy(cfg, s)
+    if copy_quantized or copy_other:  # loaded in the model's dtype (DeepSpeed casts it like the policy)
+        copy_bytes = 2 if deepspeed_cast else model_bytes
+        rows.append(
+            place(
+                f"reference model: frozen copy, {count_label(copy_quantized + copy_other)} values",
+                copy_quantized * kbit + copy_other * copy_bytes,
+                3,
+                offload_weights,
+            )
+        )
     if traits.sharded:
         gathered = GATHERED_LAYERS * (s.layer_quantized * kbit + s.layer_other * compute_bytes)
         gathered += s.outside_layers * compute_bytes

@@ -215,6 +215,14 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
     )
 
 
+def frozen_copy(cfg: Config, s: ModelShapes) -> tuple[int, int]:
+    """(k-bit values, other values) of DPO's frozen reference (`preference.reference: model`): the model before
+    training, without adapters; (0, 0) without one."""
+    if cfg.train.objective != "dpo" or cfg.reference != "model":
+        return 0, 0
+    return s.quantized, s.frozen + (s.trainable if cfg.model.lora is None else 0)
+
+
 def row_tokens(cfg: Config) -> int:
     """Tokens of one micro-batch row at most: a sample, or a pair's two answers (which share a row)."""
     return cfg.data.max_length * (2 if cfg.paired else 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import Accelerator
-from tuneforge.estimate.shapes import ModelShapes, count_label, row_tokens
+from tuneforge.estimate.shapes import ModelShapes, count_label, frozen_copy, row_tokens
 
 BASE_MFU = 0.35  # share of peak bf16 FLOP/s a Hugging Face model reaches in training with SDPA/flash attention
 QUANTIZED_EFFICIENCY = 0.5  # k-bit layers dequantize their weight before each matmul: about half the throughput
@@ -19,6 +19,12 @@ NVLINK_BYTES_PER_S = 200e9  # all-gather/reduce-scatter bandwidth per GPU inside
 NETWORK_BYTES_PER_S = 40e9  # the same across nodes: one 400 Gb/s NIC per GPU
 CPU_ADAM_PARAMS_PER_S = 2e8  # parameters one rank's torch AdamW updates per second on the host's shared cores
 
+
+REFERENCE_FORWARDS = {
+    "adapters": "the base with its adapters disabled, no gradient",
+    "model": "a frozen copy of the model, no gradient",
+}
+"""DPO references that run a forward per micro-batch (a precomputed one is a pass before training)."""
 
 Times = list[tuple[str, float, str]]
 """(what, seconds per optimizer step, how it was counted)."""
@@ -72,9 +78,9 @@ def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
         + (f", k-bit layers x{QUANTIZED_EFFICIENCY}" if s.active_quantized else "")
     )
     times = [("compute", compute, f"{flops_token / 1e9:.1f} GFLOP/token, {mfu_note}")]
-    if cfg.train.objective == "dpo" and cfg.reference == "adapters":  # the same forward, adapters off, no backward
+    if cfg.train.objective == "dpo" and cfg.reference in REFERENCE_FORWARDS:  # one more forward, no backward
         reference = micro * tokens_micro * 2 * forward / rate
-        times.append(("reference forward", reference, "the base with its adapters disabled, no gradient"))
+        times.append(("reference forward", reference, REFERENCE_FORWARDS[cfg.reference]))
     bandwidth = accelerator.memory_bytes_per_s or 2e12
     if s.stacked_adapted:  # W + B@A formed in full on every pass: memory-bound on the GPU
         delta_passes = 2 + (1 if train.gradient_checkpointing else 0)
@@ -131,7 +137,9 @@ def collective_seconds(
     gather_bytes = s.quantized * kbit + (s.frozen + s.trainable) * compute_bytes
     spread = (world_size - 1) / world_size
     bandwidth = NVLINK_BYTES_PER_S if world_size <= per_node else NETWORK_BYTES_PER_S
-    moved = micro * GATHER_PASSES * gather_bytes * spread if traits.sharded else 0.0
+    copy_quantized, copy_other = frozen_copy(cfg, s)  # DPO's frozen reference: gathered once, for its forward
+    copy_bytes = copy_quantized * kbit + copy_other * compute_bytes
+    moved = micro * (GATHER_PASSES * gather_bytes + copy_bytes) * spread if traits.sharded else 0.0
     reductions = micro if traits.reduces_every_micro_batch else 1  # FSDP and DDP sync at the last micro-batch
     all_reduce = not traits.shards_anything  # an all-reduce moves twice a reduce-scatter's bytes
     # Under expert parallelism each rank reduces only its own experts' gradients (with the ranks that hold them).
@@ -150,7 +158,9 @@ def host_times(
     host = 0.0
     if par.cpu_offload == "all":
         gather_bytes = s.quantized * kbit + (s.frozen + s.trainable) * compute_bytes
-        host += micro * GATHER_PASSES * gather_bytes / world_size  # each rank uploads its shard per pass
+        copy_quantized, copy_other = frozen_copy(cfg, s)  # DPO's frozen reference: one forward pass
+        copy_bytes = copy_quantized * kbit + copy_other * compute_bytes
+        host += micro * (GATHER_PASSES * gather_bytes + copy_bytes) / world_size  # each rank uploads its shard
     grads_out = micro if traits.reduces_every_micro_batch else 1  # DeepSpeed accumulates them on the host
     host += grads_out * s.trainable * grad_bytes / world_size
     if par.cpu_offload == "optimizer":

@@ -271,6 +271,22 @@ def build_model(
     return model
 
 
+def build_frozen_copy(
+    cfg: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    info: DistInfo,
+    base_dir: Path,
+    sharded_engine: bool = False,
+) -> PreTrainedModel:
+    """The model training starts from, loaded a second time, without adapters (DPO's frozen reference). A fresh
+    model is initialised again under the same seed on the same device (the same weights); a fresh base for
+    adapters is read back from `base_dir`, where the policy's load wrote it."""
+    if cfg.architecture is not None and cfg.lora is not None:
+        cfg = cfg.model_copy(update={"architecture": None, "path": str(base_dir)})
+    return build_model(cfg.model_copy(update={"lora": None}), tokenizer, seed, info, None, sharded_engine)
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     trainable = sum(stored_numel(p) for p in model.parameters() if p.requires_grad)

@@ -109,6 +109,20 @@ def disabled_adapters_reference(forward: TokenForward, peft_model: torch.nn.Modu
     return reference
 
 
+def frozen_model_reference(forward: TokenForward, release: Callable[[], None]) -> ReferenceLogProbs:
+    """The reference kept as a frozen model beside the policy (`preference.reference: model`): its forward
+    with no gradient, then `release` to free what that forward left gathered."""
+
+    def reference(batch: MicroBatch) -> torch.Tensor:
+        with torch.no_grad():
+            try:
+                return answer_log_probs(forward, batch)
+            finally:
+                release()
+
+    return reference
+
+
 def precomputed_reference(table: torch.Tensor, device: torch.device) -> ReferenceLogProbs:
     """The reference of full fine-tuning: each answer's log-probability under the model before training,
     computed once (`train.reference`) and looked up by the answer's index in the data."""

@@ -8,12 +8,14 @@ import torch
 
 from tuneforge.config.schema import PreferenceConfig
 from tuneforge.engines import Engine
+from tuneforge.engines.base import FrozenModel
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.objective import CrossEntropy, Objective, TokenForward
 from tuneforge.objective.preference import (
     DirectPreference,
     OddsRatioPreference,
     disabled_adapters_reference,
+    frozen_model_reference,
     precomputed_reference,
 )
 from tuneforge.objective.reward import RewardRanking
@@ -26,11 +28,13 @@ def build_objective(
     objective: str = "sft",
     preference: PreferenceConfig | None = None,
     precompute: Callable[[TokenForward], torch.Tensor] | None = None,
+    reference_model: FrozenModel | None = None,
 ) -> Objective:
     """`objective` (`train.objective`) over `engine`'s model: its forward (output layer fused with the loss where
     the engine leaves it whole), and the router balance loss of MoE models when `balance` is given, applied to
-    the policy's forward only. DPO's reference: the base with the adapters disabled, or with `precompute` the
-    table of every answer's log-probability it computes with the model before training."""
+    the policy's forward only. DPO's reference: the base with the adapters disabled; with `precompute` the
+    table of every answer's log-probability it computes with the model before training; with `reference_model`
+    a frozen copy of the model before training (`Engine.frozen`)."""
     forward = TokenForward(engine.model, engine.unwrapped, precision, engine.traits.fuses_output_layer)
     settings = preference or PreferenceConfig()
     if objective == "sft":
@@ -40,10 +44,15 @@ def build_objective(
     if objective == "dpo":
         if precompute is not None:
             reference = precomputed_reference(precompute(forward), forward.device)
+        elif reference_model is not None:
+            frozen = TokenForward(
+                reference_model.module, reference_model.plain, precision, reference_model.fuses_output_layer
+            )
+            reference = frozen_model_reference(frozen, reference_model.release)
         elif hasattr(engine.unwrapped, "disable_adapter"):
             reference = disabled_adapters_reference(forward, engine.unwrapped)
         else:
-            raise ValueError("DPO needs a reference: LoRA adapters to disable, or a precomputed table")
+            raise ValueError("DPO needs a reference: LoRA adapters to disable, a precomputed table or a frozen model")
         return DirectPreference(
             forward,
             reference,

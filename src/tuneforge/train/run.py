@@ -29,7 +29,14 @@ from tuneforge.errors import SharedUserError, UserError
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model import packed_attention
 from tuneforge.model.adapters import make_trainable
-from tuneforge.model.build import DTYPES, build_model, build_tokenizer, count_parameters, model_config
+from tuneforge.model.build import (
+    DTYPES,
+    build_frozen_copy,
+    build_model,
+    build_tokenizer,
+    count_parameters,
+    model_config,
+)
 from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.model.flops import model_flops_per_token
 from tuneforge.model.moe import MoEMap, find_moe
@@ -231,6 +238,13 @@ def setup(
     )
     if cfg.parallel.expert_parallel > 1 and balance is not None:
         balance.rehook(expert_parallel_routers(engine.unwrapped))  # the engine replaced the MoE blocks
+    reference_model = None
+    if cfg.train.objective == "dpo" and cfg.reference == "model":
+        # Loaded once the engine holds the policy, so a sharding engine has freed the policy's whole copy first.
+        copy = build_frozen_copy(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded)
+        reference_model = engine.frozen(copy)
+        say(f"dpo reference: a frozen copy of the model before training, held like the policy ({traits.label})")
+        seed_everything(cfg.train.seed)  # the copy's initialisation drew from the generator the run goes on with
     if layout.size > 1 and getattr(model.config, "_attn_implementation", None) != packed_attention.NAME:
         raise UserError(
             "parallel.sequence_parallel: this model does not use transformers' attention interface (remote code "
@@ -257,7 +271,9 @@ def setup(
     if cfg.train.objective == "dpo" and cfg.reference == "precompute":
         precompute = reference_tables(cfg, engine, data, validation, tokenizer.pad_token_id, layout, work_dir, watchdog)
         precompute = partial(precompute, say=say, is_main=info.is_main)
-    objective = build_objective(engine, cfg.train.precision, balance, cfg.train.objective, cfg.preference, precompute)
+    objective = build_objective(
+        engine, cfg.train.precision, balance, cfg.train.objective, cfg.preference, precompute, reference_model
+    )
     return RunParts(
         cfg=cfg,
         work_dir=work_dir,
