@@ -1,7 +1,8 @@
-"""Expert parallelism (DeepSpeed's AutoEP) through the real launcher on 2 gloo ranks: a tiny DeepseekV2 with its
-4 routed experts split 2 per rank trains exactly as one process does, its checkpoints are Hugging Face models,
-a killed run resumes to the uninterrupted result, and a rank missing from the token exchange is diagnosed. What
-cannot run is refused before the model loads, with the reason."""
+"""Expert parallelism (DeepSpeed's AutoEP) through the real launcher on 2 gloo ranks: a tiny DeepseekV2 and a tiny
+Qwen3-MoE with their 4 routed experts split 2 per rank train exactly as one process does, their checkpoints are
+Hugging Face models, a killed run resumes to the uninterrupted result, and a rank missing from the token exchange
+is diagnosed. Every AutoEP preset tuneforge accepts converts and writes back exactly. What cannot run is refused
+before the model loads, with the reason."""
 
 from __future__ import annotations
 
@@ -66,6 +67,27 @@ def test_two_ranks_with_experts_split_between_them_train_as_one_process(expert_p
     # The checkpoint is the model's own layout: experts gathered from both ranks, the router under its name.
     final = directory / "run" / "checkpoints" / "final"
     assert_same_weights(weights(final), weights(tmp_path / "one" / "checkpoints" / "final"), 1e-5)
+
+
+@pytest.mark.slow
+def test_a_qwen3_moe_with_experts_split_between_two_ranks_trains_as_one_process(tmp_path):
+    """Qwen3-MoE through AutoEP's preset (its router-logit recorder left out of the conversion): the same
+    losses, router loss and gradient norms as one process, and a checkpoint `from_pretrained` reads with the
+    same weights."""
+    write_job(tmp_path)
+    qwen = CONFIG.replace(TINY_MODELS["deepseek_v2"], TINY_MODELS["qwen3_moe"])
+    (tmp_path / "cfg.yaml").write_text(qwen.replace("every_steps: 2", "every_steps: 0"))
+    split = launch(tmp_path / "cfg.yaml", tmp_path / "split", ranks=2)
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "experts: 4 per layer over 2 ranks, 2 each (DeepSpeed AutoEP)" in split.stdout
+    one = launch(tmp_path / "cfg.yaml", tmp_path / "one", "parallel.engine=single", "parallel.expert_parallel=1",
+                 "train.micro_batch_size=4")  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    for key in ("loss", "router_aux_loss", "grad_norm"):
+        mine, theirs = metrics(tmp_path / "split"), metrics(tmp_path / "one")
+        assert [r[key] for r in mine] == pytest.approx([r[key] for r in theirs], rel=1e-5, abs=1e-6), key
+    final = "{}/checkpoints/final"
+    assert_same_weights(weights(tmp_path / final.format("split")), weights(tmp_path / final.format("one")), 1e-5)
 
 
 @pytest.mark.slow
@@ -140,8 +162,10 @@ def test_what_expert_parallelism_cannot_run_is_refused_before_the_model_loads():
     ]
     (problem,) = expert_parallel_problems(config(expert_parallel=2), ModelConfig("llama"), 2)[0]
     assert problem.startswith("parallel.expert_parallel: DeepSpeed's AutoEP has no preset for llama models")
-    (problem,) = expert_parallel_problems(config(expert_parallel=2), ModelConfig("qwen3_moe", num_experts=4), 2)[0]
-    assert "AutoEP preset for qwen3_moe fails with this transformers version" in problem
+    qwen = ModelConfig("qwen3_moe", num_experts=4)
+    assert expert_parallel_problems(config(expert_parallel=2), qwen, 2)[1].startswith("experts: 4 per layer")
+    (problem,) = expert_parallel_problems(config(expert_parallel=2), ModelConfig("qwen3_5_moe", num_experts=4), 2)[0]
+    assert "AutoEP preset for qwen3_5_moe is for its vision-language form" in problem
     lora = Config.model_validate({**config(expert_parallel=2).model_dump(), "model": {
         "architecture": "deepseek_v2", "tokenizer": "bytes", "lora": {"r": 8}}})  # fmt: skip
     (problem,) = expert_parallel_problems(lora, deepseek, 2)[0]
@@ -154,39 +178,61 @@ def test_what_expert_parallelism_cannot_run_is_refused_before_the_model_loads():
         choose_engine("deepspeed", two, config(expert_parallel=2, zero_stage=3).parallel)
 
 
-def tiny_deepseek(model_type: str):
+MOE_FIELDS = {
+    "deepseek_v2": dict(moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8, num_key_value_heads=2),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                      num_key_value_heads=2),
+    "mixtral": dict(num_local_experts=4, num_key_value_heads=2, output_router_logits=True),
+}  # fmt: skip
+MOE_FIELDS["deepseek_v3"] = {**MOE_FIELDS["deepseek_v2"], "n_group": 1, "topk_group": 1}
+
+
+def tiny_moe(model_type: str):
     from transformers import AutoConfig
 
-    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-                  n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-                  qk_nope_head_dim=8, v_head_dim=8)  # fmt: skip
-    if model_type == "deepseek_v3":
-        fields.update(n_group=1, topk_group=1)
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_experts_per_tok=2, **MOE_FIELDS[model_type])  # fmt: skip
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
 
 
-def test_autoep_layers_are_written_back_under_the_models_own_names_and_values(tmp_path, monkeypatch):
-    """DeepSeek-V3 keeps a score correction bias on its gate, which AutoEP moves onto its router: the checkpoint
-    puts it back where `from_pretrained` reads it, and every other tensor equals the model's before AutoEP. (One
-    process group for both models: DeepSpeed keeps its groups for the life of the process.)"""
+def test_autoep_layers_compute_and_are_written_back_as_the_models_own(tmp_path, monkeypatch):
+    """Every model type AutoEP runs with here: the converted model computes the same logits, and its weights
+    come back under the model's own names and values. DeepSeek-V3 keeps a score correction bias on its gate,
+    which AutoEP moves onto its router; Qwen2-MoE's shared expert is renamed by AutoEP; Mixtral and the Qwen
+    models declare router-logit recorders, which AutoEP cannot retarget with this transformers and tuneforge does
+    not need (the Mixtral here asks for router logits in its config: turned off). One process group for all
+    models: DeepSpeed keeps its groups for the life of the process."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import groups
 
-    from tuneforge.engines.expert_parallel import autoep_section, hugging_face_state_dict
+    from tuneforge.engines.expert_parallel import (
+        PRESETS,
+        autoep_section,
+        hugging_face_state_dict,
+        without_router_logit_recorders,
+    )
 
     monkeypatch.setenv("LOCAL_RANK", "0")  # what the launcher sets, and DeepSpeed asserts
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     try:
-        for model_type in ("deepseek_v2", "deepseek_v3"):
-            model = tiny_deepseek(model_type)
+        for model_type in PRESETS:
+            model = tiny_moe(model_type)
             before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+            with torch.no_grad():
+                logits = model(input_ids=tokens).logits
+            assert without_router_logit_recorders(model) is (model_type == "mixtral")
             config = {"train_micro_batch_size_per_gpu": 1, "expert_parallel": autoep_section(1, model_type)}
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                               dist_init_required=False)  # fmt: skip
-            assert any(name.endswith(".router.gate.weight") for name in engine.module.state_dict())  # AutoEP ran
+            assert any(name.endswith(".router.gate.weight") for name in engine.module.state_dict()), model_type
+            with torch.no_grad():
+                torch.testing.assert_close(engine.module(input_ids=tokens).logits, logits, msg=model_type)
             group = groups._get_expert_parallel_group("ep_size_1")
             assert_same_weights(hugging_face_state_dict(engine.module, group, True, before), before, atol=0)
     finally:

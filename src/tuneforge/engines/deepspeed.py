@@ -21,7 +21,7 @@ import torch
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, FrozenModel, OptimizerFactory
-from tuneforge.engines.expert_parallel import autoep_section, hugging_face_state_dict
+from tuneforge.engines.expert_parallel import autoep_section, hugging_face_state_dict, without_router_logit_recorders
 from tuneforge.errors import SharedUserError, UserError
 from tuneforge.model.moe import MoEMap
 from tuneforge.pickle_guard import refuse_unsafe_pickles
@@ -174,6 +174,11 @@ class DeepSpeedEngine(Engine):
             # AutoEP replaces the MoE blocks inside initialize, after the optimizer exists: DeepSpeed re-points
             # the groups' parameters at the new experts, and the optimizer is then built again from them, with
             # the experts in groups of their own (ZeRO reduces them over the expert-data-parallel ranks only).
+            if without_router_logit_recorders(model) and info.is_main:
+                print(
+                    "expert parallelism: the model's output_router_logits turned off (tuneforge computes the router "
+                    "balance loss from AutoEP's routers); the checkpoints' config.json says false"
+                )
             parameters = [{**group, "name": f"group-{i}"} for i, group in enumerate(optimizer.param_groups)]
             optimizer = _rebuilt_with_expert_groups(type(optimizer), optimizer.defaults)
             self._hugging_face_names = list(model.state_dict())  # what the gathered checkpoints must hold

@@ -13,18 +13,18 @@ from torch import nn
 
 from tuneforge.config.schema import Config
 
-PRESETS = {"deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts"}
-"""Model types AutoEP has a preset for that run with this transformers, and the config field of their
-routed-expert count."""
-
-REFUSED_PRESETS = {
+PRESETS = {
+    "deepseek_v2": "n_routed_experts",
+    "deepseek_v3": "n_routed_experts",
     "qwen3_moe": "num_experts",
     "qwen2_moe": "num_experts",
-    "qwen3_5_moe": "num_experts",
     "mixtral": "num_local_experts",
 }
-"""DeepSpeed 0.19's presets for these call `registry.get(key, default)` on a transformers registry whose
-`get` takes one argument since transformers 5.2x: `deepspeed.initialize` fails with a TypeError."""
+"""Model types AutoEP has a preset for that run with this transformers (tested: 2 ranks equal 1 process, the
+checkpoints read back by `from_pretrained`), and the config field of their routed-expert count."""
+
+UNTESTED_PRESETS = {"qwen3_5_moe": "num_experts", "minimax_m3": "num_local_experts"}
+"""AutoEP presets of vision-language models, whose composite configs tuneforge does not train."""
 
 LAYER_CLASS = "AutoEPMoELayer"
 
@@ -37,18 +37,17 @@ def expert_parallel_problems(cfg: Config, model_config: Any, world_size: int) ->
         return [], ""
     model_type = getattr(model_config, "model_type", "?")
     problems = []
-    if model_type in REFUSED_PRESETS:
+    if model_type in UNTESTED_PRESETS:
         problems.append(
-            f"parallel.expert_parallel: DeepSpeed's AutoEP preset for {model_type} fails with this transformers "
-            "version (it calls a registry method transformers changed); train it with parallel.engine=fsdp or "
-            "deepspeed ZeRO-3 without expert parallelism"
+            f"parallel.expert_parallel: DeepSpeed's AutoEP preset for {model_type} is for its vision-language "
+            "form, which tuneforge does not train with it; set parallel.expert_parallel=1"
         )
     elif model_type not in PRESETS:
         problems.append(
             f"parallel.expert_parallel: DeepSpeed's AutoEP has no preset for {model_type} models (it has "
             f"{', '.join(sorted(PRESETS))}); set parallel.expert_parallel=1"
         )
-    experts = getattr(model_config, {**PRESETS, **REFUSED_PRESETS}.get(model_type, "n_routed_experts"), None)
+    experts = getattr(model_config, {**PRESETS, **UNTESTED_PRESETS}.get(model_type, "n_routed_experts"), None)
     if isinstance(experts, int) and experts % size:
         problems.append(f"parallel.expert_parallel={size} does not divide the model's {experts} routed experts")
     if world_size % size:
@@ -66,7 +65,31 @@ def expert_parallel_problems(cfg: Config, model_config: Any, world_size: int) ->
 
 def autoep_section(size: int, model_type: str) -> dict[str, Any]:
     """DeepSpeed's `expert_parallel` config section."""
-    return {"enabled": True, "autoep_size": size, "preset_model": model_type}
+    # Qwen2-MoE runs on the Qwen3-MoE preset, which lists both model types.
+    preset = "qwen3_moe" if model_type == "qwen2_moe" else model_type
+    return {"enabled": True, "autoep_size": size, "preset_model": preset}
+
+
+def without_router_logit_recorders(model: nn.Module) -> bool:
+    """Leaves transformers' recording of router logits out of what AutoEP converts; True when the model's
+    `output_router_logits` had to be turned off for it.
+
+    Mixtral's and the Qwen MoE models' classes declare a `router_logits` output recorder. DeepSpeed 0.19's AutoEP
+    retargets it to its own router through transformers' recorder registry, calling `registry.get(key, default)`,
+    and transformers 5.2x's registry `get` takes one argument: `deepspeed.initialize` fails with a TypeError.
+    tuneforge never reads those logits (its router balance loss hooks AutoEP's routers), so each instance's
+    `_can_record_outputs` is given without `router_logits` (transformers itself reads the registry it built when
+    the model was made, not the instance attribute): AutoEP then finds nothing to retarget. With nothing
+    recording them, a forward asking for router logits would have none: `output_router_logits` is turned off."""
+    for module in model.modules():
+        recorded = getattr(module, "_can_record_outputs", None)
+        if isinstance(recorded, dict) and "router_logits" in recorded:
+            module._can_record_outputs = {key: value for key, value in recorded.items() if key != "router_logits"}
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        config.output_router_logits = False
+        return True
+    return False
 
 
 def hugging_face_state_dict(
@@ -80,12 +103,19 @@ def hugging_face_state_dict(
     if 0 not in torch.distributed.get_process_group_ranks(group):
         return None
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    layers = [name for name, module in model.named_modules() if type(module).__name__ == LAYER_CLASS]
-    for prefix in layers:
+    layers = [(name, module) for name, module in model.named_modules() if type(module).__name__ == LAYER_CLASS]
+    for prefix, layer in layers:
         gathered = {part: _gather_to_main(state.pop(f"{prefix}.experts.{part}"), group, is_main) for part in WEIGHTS}
+        for alias in [name for name, child in layer._modules.items() if child is layer.router and name != "router"]:
+            # AutoEP also registers its router under the gate's name: the same tensors a second time.
+            for name in [key for key in state if key.startswith(f"{prefix}.{alias}.")]:
+                del state[name]
         for name in [key for key in state if key.startswith(f"{prefix}.router.")]:
             tensor = state.pop(name)
             state[_router_name(prefix, name.removeprefix(f"{prefix}.router."), names)] = tensor
+        for name in [key for key in state if key.startswith(f"{prefix}.shared_experts") and key not in names]:
+            # AutoEP's shared experts (and their gate) are Qwen2-MoE's `shared_expert` (and `shared_expert_gate`).
+            state[name.replace(f"{prefix}.shared_experts", f"{prefix}.shared_expert", 1)] = state.pop(name)
         if is_main:
             state[f"{prefix}.experts.gate_up_proj"] = torch.cat([gathered["w1"], gathered["w3"]], dim=1)
             state[f"{prefix}.experts.down_proj"] = gathered["w2"]
