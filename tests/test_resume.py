@@ -314,3 +314,36 @@ def test_resume_refuses_another_quantization_of_the_base_before_loading_it(tmp_p
     else:
         with pytest.raises(UserError, match=re.escape(message)):
             check_same_quantization(tmp_path, current)
+
+
+def test_a_resume_under_auto_precision_goes_on_in_the_interrupted_runs_precision(job):
+    """A run that computed in the precision `auto` would not pick on this machine (another machine's choice),
+    resumed with `train.precision: auto`, continues in that precision: its steps equal the uninterrupted run's.
+    A precision set by hand wins, and the run says what the interrupted run used."""
+    from tuneforge.model.precision import native_cpu_half_precision
+
+    other = "fp32" if native_cpu_half_precision() else "bf16"
+    (job / "cfg.yaml").write_text(CONFIG.replace("max_steps: 7, precision: fp32", f"max_steps: 4, precision: {other}"))
+    whole = train_here(job / "cfg.yaml", job / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    step_2 = str(job / "whole" / "checkpoints" / "step-2")
+    resumed = train_here(job / "cfg.yaml", job / "resumed", "train.precision=auto", "--resume", step_2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"precision: {other} (train.precision=auto: the interrupted run computed in {other}; " in resumed.stdout
+    assert losses(job / "resumed") == losses(job / "whole")[2:]
+    mine = "bf16" if other == "fp32" else "fp32"
+    by_hand = train_here(job / "cfg.yaml", job / "by_hand", f"train.precision={mine}", "--resume", step_2)
+    assert by_hand.returncode == 0, by_hand.stderr[-3000:]
+    assert f"precision: {mine} (train.precision={mine}: set by hand; the interrupted run computed in {other})" in (
+        by_hand.stdout
+    )
+
+
+def test_a_bf16_run_is_not_resumed_under_auto_on_a_gpu_without_bf16():
+    from tuneforge.errors import UserError
+    from tuneforge.model.precision import resumed_precision
+
+    with pytest.raises(UserError, match=r"--resume ck: the interrupted run computed in bf16, which this GPU cannot"):
+        resumed_precision("auto", "fp32", "why", "bf16", on_gpu=True, gpu_has_bf16=False, checkpoint="ck")
+    assert resumed_precision("auto", "fp32", "why", None, True, False, "ck") == ("fp32", "why")  # older checkpoint
+    assert resumed_precision("auto", "bf16", "why", "bf16", True, True, "ck") == ("bf16", "why")

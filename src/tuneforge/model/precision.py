@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 from tuneforge.config.schema import Config
+from tuneforge.errors import UserError
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,6 +37,24 @@ def choose_precision(requested: str, on_gpu: bool, gpu_has_bf16: bool = True) ->
     if native_cpu_half_precision():
         return "bf16", "this CPU computes bfloat16 natively (AVX512-BF16 or AMX)"
     return "fp32", "this CPU has no AVX512-BF16 or AMX, so bf16 would be emulated, several times slower than fp32"
+
+
+def resumed_precision(
+    requested: str, chosen: str, why: str, trained_in: str | None, on_gpu: bool, gpu_has_bf16: bool, checkpoint: str
+) -> tuple[str, str]:
+    """The precision of a resumed run, and why: under `auto`, the interrupted run's (`trained_in`), so the resumed
+    run continues with the same numerics although this machine alone would pick another; refused where it cannot
+    compute in it. A precision set by hand is kept, with a note when the interrupted run's differed."""
+    if trained_in is None or trained_in == chosen:
+        return chosen, why
+    if requested != "auto":
+        return chosen, f"set by hand; the interrupted run computed in {trained_in}"
+    if trained_in == "bf16" and on_gpu and not gpu_has_bf16:
+        raise UserError(
+            f"--resume {checkpoint}: the interrupted run computed in bf16, which this GPU cannot; set "
+            "train.precision=fp32 to go on in fp32 anyway (its losses then differ slightly from the interrupted run's)"
+        )
+    return trained_in, f"the interrupted run computed in {trained_in}; on this machine alone auto would pick {chosen}"
 
 
 def with_precision(cfg: Config, precision: str) -> Config:

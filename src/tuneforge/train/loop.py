@@ -458,6 +458,7 @@ class Trainer:
             self.parts.layout.size,
             self.data_signature,
             self.cfg.parallel.expert_parallel,
+            train.precision,
         )
 
 

@@ -40,7 +40,7 @@ from tuneforge.model.build import (
 from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.model.flops import model_flops_per_token
 from tuneforge.model.moe import MoEMap, find_moe
-from tuneforge.model.precision import choose_precision, with_precision
+from tuneforge.model.precision import choose_precision, resumed_precision, with_precision
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.train.evaluate import exact_match, write_result
@@ -109,13 +109,11 @@ def _locked_run(
     say: Say,
     lock_note: str,
 ) -> dict:
-    on_gpu = info.device.type == "cuda"
-    precision, why = choose_precision(
-        cfg.train.precision, on_gpu, not on_gpu or torch.cuda.is_bf16_supported(including_emulation=False)
-    )
-    cfg = with_precision(cfg, precision)  # every part reads the precision chosen, and config.yaml records it
     # Everything that can refuse the run is checked before this run writes a file.
     resume_dir = checked_resume(cfg, work_dir, resume, info, engine_name, say)
+    requested = cfg.train.precision
+    precision, why = run_precision(requested, info, resume_dir)
+    cfg = with_precision(cfg, precision)  # every part reads the precision chosen, and config.yaml records it
     run_id = record_run(cfg, work_dir, resume, archive_previous, info, say, lock_note)
     say(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
     chosen = " (parallel.engine=auto)" if cfg.parallel.engine == "auto" else ""
@@ -124,7 +122,7 @@ def _locked_run(
         f"{torch.get_num_threads()} CPU threads each"
     )
     if why:
-        say(f"precision: {precision} (train.precision=auto: {why})")
+        say(f"precision: {precision} (train.precision={requested}: {why})")
     if info.distributed:
         RECORDER.install()  # before any engine exists: DeepSpeed keeps references to the functions it uses
     watchdog = StallWatchdog.for_config(cfg.watchdog, work_dir / "diagnostics", info.rank, info.world_size)
@@ -146,6 +144,19 @@ def _locked_run(
         watchdog.stop(outcome)
         if info.distributed:
             torch.distributed.destroy_process_group()
+
+
+def run_precision(requested: str, info: DistInfo, resume_dir: Path | None) -> tuple[str, str]:
+    """What this run computes in (`train.precision`, `auto` resolved for this machine) and why; a resumed run
+    under `auto` goes on in the interrupted run's precision (`resumed_precision`)."""
+    on_gpu = info.device.type == "cuda"
+    native_bf16 = not on_gpu or torch.cuda.is_bf16_supported(including_emulation=False)
+    precision, why = choose_precision(requested, on_gpu, native_bf16)
+    if resume_dir is None:
+        return precision, why
+    trained_in = read_state(resume_dir).precision
+    has_bf16 = not on_gpu or torch.cuda.is_bf16_supported()
+    return resumed_precision(requested, precision, why, trained_in, on_gpu, has_bf16, str(resume_dir))
 
 
 def checked_resume(

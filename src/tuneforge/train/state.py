@@ -45,6 +45,8 @@ class ResumePoint:
     """`TokenizedData.signature()` of the training split it was written with (None: written before it was)."""
     expert_parallel: int = 1
     """Ranks each MoE layer's experts are split over: the engine's checkpoint files are written per expert shard."""
+    precision: str | None = None
+    """The precision the run computed in (`train.precision`, `auto` resolved); None: written before it was."""
 
 
 RNG_FILE = "rng-rank-{rank}.safetensors"
@@ -179,7 +181,7 @@ def _check_types(point: ResumePoint) -> None:
     loss = point.best_val_loss
     if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float)):
         raise ValueError(f"best_val_loss is {loss!r}, not a number")
-    for name in ("run_id", "train_data"):
+    for name in ("run_id", "train_data", "precision"):
         if getattr(point, name) is not None and not isinstance(getattr(point, name), str):
             raise ValueError(f"{name} is {getattr(point, name)!r}, not text")
 
