@@ -422,6 +422,28 @@ log: {{progress: lines}}
         assert [r[key] for r in copy] == pytest.approx([r[key] for r in adapters], abs=1e-6), key
 
 
+def test_a_resumed_run_builds_its_frozen_reference_from_the_model_before_training(tmp_path):
+    """Full fine-tuning with `preference.reference: model`, resumed from its step-2 checkpoint: the copy is the
+    model before training again (not the checkpoint's weights), so the resumed steps equal the uninterrupted
+    run's, which equal a precomputed reference's."""
+    from conftest import metrics, train_here
+
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
+    job = DPO_CONFIG.replace("max_steps: 6", "max_steps: 4").replace("every_steps: 3", "every_steps: 2")
+    (tmp_path / "cfg.yaml").write_text(job)
+    full = ["model.lora=null", "preference.reference=model"]
+    whole = train_here(tmp_path / "cfg.yaml", tmp_path / "whole", *full)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    step_2 = str(tmp_path / "whole" / "checkpoints" / "step-2")
+    resumed = train_here(tmp_path / "cfg.yaml", tmp_path / "resumed", *full, "--resume", step_2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = {name: [r["loss"] for r in metrics(tmp_path / name)] for name in ("whole", "resumed")}
+    assert losses["resumed"] == losses["whole"][2:]
+    table = train_here(tmp_path / "cfg.yaml", tmp_path / "table", "model.lora=null")
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert losses["whole"] == pytest.approx([r["loss"] for r in metrics(tmp_path / "table")], abs=1e-6)
+
+
 @pytest.mark.slow
 def test_full_fine_tuning_dpo_precomputes_its_reference_once_and_equals_a_live_one(tmp_path):
     """A precomputed reference equals the live one where both exist (LoRA: before training the adapters are
