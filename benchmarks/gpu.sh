@@ -11,7 +11,10 @@
 #   - benchmarks/gpu_lora.py --train-run: a whole `tuneforge train` run (CLI, data pipeline, watchdog, logging)
 #     on DeepSeek-V2-Lite's architecture with 4 layers, beside tuneforge's step alone on the same model;
 #   - benchmarks/expert_lora.py: adapters on DeepSeek-V2-Lite's routed experts, PEFT's full-size W + B·A
-#     against grouped low-rank products, and on 4-bit experts.
+#     against grouped low-rank products, and on 4-bit experts;
+#   - part `ep`, on a node with several GPUs only (not in the default parts: the lent machine has one):
+#     benchmarks/expert_parallel_cpu.py on DeepSeek-V2-Lite's shapes (4 layers, full fine-tuning, bf16) over
+#     every GPU: ZeRO-3, ZeRO-2 with expert parallelism, DDP.
 # Every part prints the doctor's estimate beside what it measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +30,7 @@ if [[ -n "$WHEELS" ]]; then
 fi
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'; print(torch.cuda.get_device_name(0))"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-# PARTS picks some of the parts (default all): deepseek llama train experts.
+# PARTS picks some of the parts (default: deepseek llama train experts; ep needs several GPUs).
 PARTS=" ${PARTS:-deepseek llama train experts} "
 if [[ "$PARTS" == *" deepseek "* ]]; then
     timeout 170 "$PYTHON" benchmarks/gpu_lora.py --models deepseek_v2_lite --steps 4 || echo "(cut off or failed)"
@@ -41,4 +44,14 @@ if [[ "$PARTS" == *" train "* ]]; then
 fi
 if [[ "$PARTS" == *" experts "* ]]; then
     timeout 80 "$PYTHON" benchmarks/expert_lora.py --layers 2 --tokens 4096 --steps 3 || echo "(cut off or failed)"
+fi
+if [[ "$PARTS" == *" ep "* ]]; then
+    GPUS=$(nvidia-smi -L | wc -l)
+    if (( GPUS < 2 )); then
+        echo "ep: needs several GPUs; this machine has $GPUS"
+    else
+        timeout 600 "$PYTHON" benchmarks/expert_parallel_cpu.py --ranks "$GPUS" --layers 4 --length 4096 --steps 8 \
+            --shapes src/tuneforge/recipes/models/deepseek-v2-lite-chat.config.json --precision bf16 --gpu h100 \
+            || echo "(cut off or failed)"
+    fi
 fi

@@ -20,8 +20,9 @@ PRESETS = {
     "qwen2_moe": "num_experts",
     "mixtral": "num_local_experts",
 }
-"""Model types AutoEP has a preset for that run with this transformers (tested: 2 ranks equal 1 process, the
-checkpoints read back by `from_pretrained`), and the config field of their routed-expert count."""
+"""Model types AutoEP has a preset for that run with this transformers, and the config field of their
+routed-expert count. Each is tested to convert to a model computing the original's logits and to write back its
+exact weights; DeepSeek-V2 and Qwen3-MoE also train on 2 ranks as in one process."""
 
 UNTESTED_PRESETS = {"qwen3_5_moe": "num_experts", "minimax_m3": "num_local_experts"}
 """AutoEP presets of vision-language models, whose composite configs tuneforge does not train."""
