@@ -1,19 +1,34 @@
-"""Continuing a run from a step checkpoint: the model, optimizer, RNG and data position it recorded, with the
+"""Continuing a run from a step checkpoint: which one, checked against this run's settings before the model
+loads (and the precision it goes on in); then the model, optimizer, RNG and data position it recorded, with the
 logs cut back to its step."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from tuneforge.config.schema import Config
 from tuneforge.distributed import DistInfo, barrier
 from tuneforge.engines import Engine
 from tuneforge.errors import UserError, first_line
+from tuneforge.model.precision import choose_precision, resumed_precision
 from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.train.checkpoint import step_checkpoints
 from tuneforge.train.loop import Trainer
-from tuneforge.train.state import TRAINING_STATE, ResumePoint, check_same_expert_storage, load_rng, read_state
+from tuneforge.train.state import (
+    TRAINING_STATE,
+    ResumePoint,
+    check_compatible,
+    check_same_expert_storage,
+    check_same_quantization,
+    find_resume,
+    load_rng,
+    read_state,
+)
+from tuneforge.train.workdir import recorded_run
 
 
 def resume_from(
@@ -58,3 +73,50 @@ def truncate_log(path: Path, step: int) -> int:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     return dropped
+
+
+def run_precision(requested: str, info: DistInfo, resume_dir: Path | None) -> tuple[str, str]:
+    """What this run computes in (`train.precision`, `auto` resolved for this machine) and why; a resumed run
+    under `auto` goes on in the interrupted run's precision (`resumed_precision`)."""
+    on_gpu = info.device.type == "cuda"
+    native_bf16 = not on_gpu or torch.cuda.is_bf16_supported(including_emulation=False)
+    precision, why = choose_precision(requested, on_gpu, native_bf16)
+    if resume_dir is None:
+        return precision, why
+    trained_in = read_state(resume_dir).precision
+    has_bf16 = not on_gpu or torch.cuda.is_bf16_supported()
+    return resumed_precision(requested, precision, why, trained_in, on_gpu, has_bf16, str(resume_dir))
+
+
+def checked_resume(
+    cfg: Config, work_dir: Path, resume: str | None, info: DistInfo, engine_name: str, say: Callable[[str], None]
+) -> Path | None:
+    """The checkpoint to resume from (None: from the start), checked against this run's settings before the
+    model loads."""
+    passed_over: list[str] = []
+    resume_dir = find_resume(work_dir, resume, recorded_run(work_dir), passed_over)
+    if resume_dir is None and passed_over:
+        raise UserError(
+            "\n".join(passed_over)
+            + "\nevery step checkpoint of this run is damaged: restore one (--resume PATH), or start afresh without "
+            "--resume (--archive-previous keeps them aside)"
+        )
+    for note in passed_over:
+        say(note)
+    if resume_dir is not None:
+        train = cfg.train
+        point = read_state(resume_dir)
+        if train.max_steps is not None and point.step >= train.max_steps:  # said before the model loads
+            raise UserError(f"--resume {resume_dir}: step {point.step} is already the last of {train.max_steps}")
+        check_compatible(
+            point,
+            resume_dir,
+            info.world_size,
+            train.micro_batch_size,
+            train.gradient_accumulation,
+            engine_name,
+            cfg.parallel.sequence_parallel,
+            cfg.parallel.expert_parallel,
+        )
+        check_same_quantization(resume_dir, cfg.model.quantization)
+    return resume_dir

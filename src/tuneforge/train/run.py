@@ -40,7 +40,7 @@ from tuneforge.model.build import (
 from tuneforge.model.compile import check_compiler, compile_elementwise
 from tuneforge.model.flops import model_flops_per_token
 from tuneforge.model.moe import MoEMap, find_moe
-from tuneforge.model.precision import choose_precision, resumed_precision, with_precision
+from tuneforge.model.precision import with_precision
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.train.evaluate import exact_match, write_result
@@ -52,14 +52,10 @@ from tuneforge.train.optim import build_optimizer
 from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
 from tuneforge.train.reference import reference_tables
-from tuneforge.train.resume import resume_from
+from tuneforge.train.resume import checked_resume, resume_from, run_precision
 from tuneforge.train.sinks import require_packages
 from tuneforge.train.state import (
-    check_compatible,
-    check_same_quantization,
     data_changed_note,
-    find_resume,
-    read_state,
 )
 from tuneforge.train.validate import validation_batches
 from tuneforge.train.workdir import recorded_run, release_lock, start_run, take_lock
@@ -144,53 +140,6 @@ def _locked_run(
         watchdog.stop(outcome)
         if info.distributed:
             torch.distributed.destroy_process_group()
-
-
-def run_precision(requested: str, info: DistInfo, resume_dir: Path | None) -> tuple[str, str]:
-    """What this run computes in (`train.precision`, `auto` resolved for this machine) and why; a resumed run
-    under `auto` goes on in the interrupted run's precision (`resumed_precision`)."""
-    on_gpu = info.device.type == "cuda"
-    native_bf16 = not on_gpu or torch.cuda.is_bf16_supported(including_emulation=False)
-    precision, why = choose_precision(requested, on_gpu, native_bf16)
-    if resume_dir is None:
-        return precision, why
-    trained_in = read_state(resume_dir).precision
-    has_bf16 = not on_gpu or torch.cuda.is_bf16_supported()
-    return resumed_precision(requested, precision, why, trained_in, on_gpu, has_bf16, str(resume_dir))
-
-
-def checked_resume(
-    cfg: Config, work_dir: Path, resume: str | None, info: DistInfo, engine_name: str, say: Say
-) -> Path | None:
-    """The checkpoint to resume from (None: from the start), checked against this run's settings before the
-    model loads."""
-    passed_over: list[str] = []
-    resume_dir = find_resume(work_dir, resume, recorded_run(work_dir), passed_over)
-    if resume_dir is None and passed_over:
-        raise UserError(
-            "\n".join(passed_over)
-            + "\nevery step checkpoint of this run is damaged: restore one (--resume PATH), or start afresh without "
-            "--resume (--archive-previous keeps them aside)"
-        )
-    for note in passed_over:
-        say(note)
-    if resume_dir is not None:
-        train = cfg.train
-        point = read_state(resume_dir)
-        if train.max_steps is not None and point.step >= train.max_steps:  # said before the model loads
-            raise UserError(f"--resume {resume_dir}: step {point.step} is already the last of {train.max_steps}")
-        check_compatible(
-            point,
-            resume_dir,
-            info.world_size,
-            train.micro_batch_size,
-            train.gradient_accumulation,
-            engine_name,
-            cfg.parallel.sequence_parallel,
-            cfg.parallel.expert_parallel,
-        )
-        check_same_quantization(resume_dir, cfg.model.quantization)
-    return resume_dir
 
 
 def record_run(
