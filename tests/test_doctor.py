@@ -165,6 +165,9 @@ def test_too_few_samples_for_the_ranks_warn(tokenizer):
     assert check.detail.endswith("a micro-batch holds 20 samples over all ranks, fewer than configured")
     fewer = verdicts(config(train={"micro_batch_size": 4}), tokenizer, world_size=8, samples=5)["samples per step"]
     assert fewer.detail.endswith("samples repeat within a step so that every rank has a batch")
+    # Preference objectives count pairs (what their micro-batch holds), as the run hands them to the doctor.
+    pairs = verdicts(config(train={"objective": "dpo"}), tokenizer, world_size=2, samples=6)["samples per step"]
+    assert pairs.status == PASS and pairs.detail == "6 pairs, 2 per global micro-batch"
 
 
 def test_packing_on_flash_attention_without_a_gpu_fails(tokenizer):

@@ -266,6 +266,7 @@ def test_dpo_through_the_cli_logs_rewards_and_resumes_exactly(tmp_path):
     whole = launch(tmp_path / "cfg.yaml", tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "x 2 pairs x 1 rank(s)" in whole.stdout and "acc " in whole.stdout
+    assert "samples per step              24 pairs, 2 per global micro-batch" in whole.stdout  # not 48 answers
     records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at the start
     assert {"rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"} <= records[-1].keys()

@@ -290,20 +290,21 @@ def check_samples(cfg: Config, world_size: int, num_samples: int | None) -> Chec
         return Check(name, PASS, "data not read")
     groups = world_size // cfg.parallel.sequence_parallel  # the ranks of a sequence-parallel group share rows
     per_step = groups * cfg.train.micro_batch_size
+    unit = "pairs" if cfg.paired else "samples"  # what train.micro_batch_size counts
     if num_samples < per_step:
         return Check(
             name,
             WARN,
-            f"{num_samples} training samples for {groups} {'ranks' if groups == world_size else 'data-parallel groups'}"
+            f"{num_samples} training {unit} for {groups} {'ranks' if groups == world_size else 'data-parallel groups'}"
             f" x micro-batch {cfg.train.micro_batch_size}: "
             + (
-                "samples repeat within a step so that every rank has a batch"
+                f"{unit} repeat within a step so that every rank has a batch"
                 if num_samples < groups
-                else f"a micro-batch holds {num_samples} samples over all ranks, fewer than configured"
+                else f"a micro-batch holds {num_samples} {unit} over all ranks, fewer than configured"
             ),
             "add data, or lower train.micro_batch_size or the number of processes",
         )
-    return Check(name, PASS, f"{num_samples} samples, {per_step} per global micro-batch")
+    return Check(name, PASS, f"{num_samples} {unit}, {per_step} per global micro-batch")
 
 
 def check_packing(cfg: Config) -> Check:

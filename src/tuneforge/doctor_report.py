@@ -43,7 +43,7 @@ def doctor_checks(
     if tokenizer is not None:
         try:
             data = prepare_data(config.data, tokenizer, get_template(config.data.template), 0, 1, config.paired)
-            num_samples = len(data.train.data) // (2 if config.paired else 1)
+            num_samples = data.training_units(config.paired)
         except UserError as exc:
             if model_config is None:
                 raise

@@ -42,6 +42,10 @@ class PreparedData:
     train: Split
     validation: Split | None
 
+    def training_units(self, paired: bool) -> int:
+        """What a micro-batch counts in the training split: samples, or pairs (two answers each)."""
+        return len(self.train.data) // (2 if paired else 1)
+
 
 OTHER_FORMAT = "another format than the file's first record"
 

@@ -179,7 +179,7 @@ def setup(
     watchdog.beat("data", training=False)
     data = load_data(cfg, tokenizer, template, info, say)
     if cfg.watchdog.doctor != "off":
-        preflight(cfg, engine_name, info, tokenizer, len(data.train.data), say)
+        preflight(cfg, engine_name, info, tokenizer, data.training_units(cfg.paired), say)
     layout = sequence_layout(cfg, info, tokenizer, say)
     traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
     if cfg.train.compile:
