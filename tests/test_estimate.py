@@ -12,7 +12,7 @@ from tuneforge.config import load_config
 from tuneforge.config.schema import Config
 from tuneforge.doctor import PASS, WARN, check_estimate, read_model_config
 from tuneforge.engines import engine_traits
-from tuneforge.estimate import ACCELERATORS, kbit_bytes
+from tuneforge.estimate import ACCELERATORS, format_estimate, kbit_bytes
 from tuneforge.estimate import estimate as estimate_for_traits
 from tuneforge.estimate.timing import NVLINK_BYTES_PER_S
 from tuneforge.model.moe import find_moe
@@ -380,3 +380,16 @@ def test_a_frozen_reference_model_is_counted_where_the_engine_holds_it(llama):
     quantized = sum(m.weight.numel() for _, m in quantized_linears(llama, qlora.model.quantization))
     held = row(estimate(qlora, llama, "single", 1, H100), "reference model").gpu
     assert held == pytest.approx(quantized * kbit_bytes(4, True) + (total - quantized) * 2)
+
+
+def test_a_precomputed_reference_costs_one_forward_over_the_pairs_before_the_first_step(llama):
+    """The precompute pass is the frozen copy's per-step reference forward, done once per pair instead of once
+    per step: over 10 steps' worth of pairs, 10 times that row; and it is printed with the run's duration."""
+    full = {"train": {"objective": "dpo", "gradient_accumulation": 4}, "parallel": {"engine": "fsdp"}}
+    pairs = 8 * 4 * config(**full).train.micro_batch_size * 10  # 8 ranks x 4 micro-batches: 10 steps' worth
+    table = estimate(config(**full), llama, "fsdp", 8, H100, num_samples=pairs)
+    copy = estimate(config(**full, preference={"reference": "model"}), llama, "fsdp", 8, H100, num_samples=pairs)
+    what, seconds = table.before_training
+    assert what == f"the reference's log-probabilities of {pairs:,} pairs (one forward pass)"
+    assert seconds == pytest.approx(10 * dict((n, s) for n, s, _ in copy.times)["reference forward"])
+    assert copy.before_training is None and "before the first step: the reference's" in format_estimate(table)

@@ -22,7 +22,7 @@ from tuneforge.estimate.hardware import ACCELERATORS, GIB, Accelerator, local_ac
 from tuneforge.estimate.memory import memory_use
 from tuneforge.estimate.report import Estimate, assumptions, format_estimate
 from tuneforge.estimate.shapes import model_shapes, row_label, row_tokens
-from tuneforge.estimate.timing import step_times
+from tuneforge.estimate.timing import reference_pass_seconds, step_times
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.precision import choose_precision, with_precision
 from tuneforge.model.quantize import kbit_bytes
@@ -65,6 +65,10 @@ def estimate(
         steps *= train.epochs
     else:
         steps = None
+    before_training = None
+    if cfg.train.objective == "dpo" and cfg.reference == "precompute" and num_samples:
+        seconds = reference_pass_seconds(cfg, s, accelerator, math.ceil(num_samples / groups))
+        before_training = (f"the reference's log-probabilities of {num_samples:,} pairs (one forward pass)", seconds)
     offload = "" if par.cpu_offload == "none" else f", cpu_offload={par.cpu_offload}"
     return Estimate(
         accelerator=accelerator,
@@ -79,6 +83,7 @@ def estimate(
         steps=steps,
         activation_factor=s.act_total * compute_bytes / s.hidden / s.layers,
         assumptions=assumptions(cfg, traits, s),
+        before_training=before_training,
     )
 
 

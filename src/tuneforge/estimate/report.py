@@ -42,6 +42,8 @@ class Estimate:
     activation_factor: float
     """Activation bytes a token keeps per decoder layer, in units of the hidden size."""
     assumptions: list[str]
+    before_training: tuple[str, float] | None = None
+    """Work done once before the first step, and its seconds (DPO's precomputed reference pass)."""
 
     @property
     def gpu_bytes(self) -> float:
@@ -146,6 +148,9 @@ def format_estimate(est: Estimate) -> str:
             lines.append(f"    run: {est.steps:,} steps = {_duration(est.steps * est.step_s)}")
         else:
             lines.append(f"    run: data size unknown; 1,000 steps = {_duration(1000 * est.step_s)}")
+        if est.before_training is not None:
+            what, seconds = est.before_training
+            lines.append(f"    before the first step: {what}, {_duration(seconds)}")
     lines.append("  assumptions:")
     lines += [f"    - {note}" for note in est.assumptions]
     return "\n".join(lines)

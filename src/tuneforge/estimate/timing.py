@@ -67,8 +67,7 @@ def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
     micro, tokens_micro = train.gradient_accumulation, _tokens_micro(cfg)
     passes = 4 + (2 if train.gradient_checkpointing else 0)  # forward, input gradients, recompute: 2 each
     rate = accelerator.bf16_flops * BASE_MFU
-    other = s.active - s.active_quantized - s.active_routed
-    forward = other + s.active_quantized / QUANTIZED_EFFICIENCY + s.active_routed / EXPERT_EFFICIENCY
+    forward = forward_weight(s)
     weighted = passes * forward + 2 * s.active_trainable + 6 * s.adapter_active  # weight gradients; adapter matmuls
     flops_token = passes * s.active + 2 * s.active_trainable + 6 * s.adapter_active
     compute = micro * tokens_micro * weighted / rate
@@ -96,6 +95,22 @@ def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
         values = f"{count_label(s.stacked_quantized)} values rebuilt {dequantize_passes}x"
         times.append(("expert dequantization", dequantize, values))
     return times
+
+
+def forward_weight(s: ModelShapes) -> float:
+    """Parameters a token multiplies with in a forward, weighted by how far each kind's matmuls fall below the
+    assumed MFU (k-bit layers dequantize, routed experts run many small matmuls)."""
+    other = s.active - s.active_quantized - s.active_routed
+    return other + s.active_quantized / QUANTIZED_EFFICIENCY + s.active_routed / EXPERT_EFFICIENCY
+
+
+def reference_pass_seconds(cfg: Config, s: ModelShapes, accelerator: Accelerator, pairs_per_rank: float) -> float:
+    """DPO's precomputed reference (`preference.reference: precompute`): one forward, no gradient, over every
+    pair of the training data before the first step, split over the data-parallel ranks."""
+    if accelerator.bf16_flops is None:
+        return 0.0
+    micro_batches = pairs_per_rank / cfg.train.micro_batch_size
+    return micro_batches * _tokens_micro(cfg) * 2 * forward_weight(s) / (accelerator.bf16_flops * BASE_MFU)
 
 
 def exchange_times(cfg: Config, s: ModelShapes, per_node: int, compute_bytes: int) -> Times:
