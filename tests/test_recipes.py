@@ -27,6 +27,8 @@ def test_the_catalogue_covers_the_models_people_train():
         "mixtral-8x7b-qlora-1gpu",
         "qwen2.5-7b-qlora-24gb",
         "llama-3-8b-dpo-lora-1gpu",
+        "llama-3-8b-dpo-full-fsdp-8gpu",
+        "qwen3-30b-a3b-full-ep-8gpu",  # expert parallelism
     } <= names
 
 
