@@ -139,7 +139,8 @@ def doctor_estimate(config: Path, ranks: int, gpu: str, overrides: list[str]) ->
             if check in line:
                 found[check] = line.split(check, 1)[1].strip().split(",")[0]
     if len(found) < 2:
-        return f"(doctor: {(result.stderr or result.stdout).strip().splitlines()[-1:]})"
+        last = (result.stderr or result.stdout).strip().splitlines()
+        return f"(no estimate from the doctor: {last[-1] if last else 'no output'})"
     return f"{found['time estimate']}, {found['memory estimate'].split(' (')[0]}"
 
 
@@ -156,29 +157,27 @@ def main() -> None:
     parser.add_argument("--gpu", help="print the doctor's estimate for this GPU (h100, a100, ...) beside each")
     args = parser.parse_args()
     experts = model_size(args)["n_routed_experts"]
-    with tempfile.TemporaryDirectory(prefix="tuneforge-ep-") as scratch:
-        directory = Path(scratch)
-        config = job(directory, args)
-        results, estimates = {}, {}
-        for i, (name, overrides) in enumerate(layouts(args.ranks, experts).items()):
-            results[name] = run(config, directory / f"run-{i}", args.ranks, overrides)
-            if args.gpu:
-                estimates[name] = doctor_estimate(config, args.ranks, args.gpu, overrides)
-    base = results["deepspeed ZeRO-3"]
     shapes = f"shapes of {Path(args.shapes).name}, {args.layers} layers" if args.shapes else f"hidden {args.hidden}"
     print(
         f"{args.ranks} ranks, DeepSeek-V2 architecture ({shapes}), {experts} routed experts, {args.precision}, "
         f"{args.steps} steps"
     )
     print(f"{'layout':<28} {'tokens/s':>9} {'x ZeRO-3':>9} {'peak/rank':>11} {'x ZeRO-3':>9} {'final loss':>11}")
-    for name, r in results.items():
-        line = (
-            f"{name:<28} {r['tokens_per_s']:>9,.0f} {r['tokens_per_s'] / base['tokens_per_s']:>9.2f} "
-            f"{r['peak_gb']:>9.2f}GB {r['peak_gb'] / base['peak_gb']:>9.2f} {r['loss']:>11.4f}"
-        )
-        if name in estimates:
-            line += f"   doctor ({args.gpu}): {estimates[name]}"
-        print(line)
+    with tempfile.TemporaryDirectory(prefix="tuneforge-ep-") as scratch:
+        directory = Path(scratch)
+        config = job(directory, args)
+        base = None
+        for i, (name, overrides) in enumerate(layouts(args.ranks, experts).items()):
+            # Each layout's line as soon as it ran: a benchmark cut off by its time limit keeps what it measured.
+            r = run(config, directory / f"run-{i}", args.ranks, overrides)
+            base = base or r  # ZeRO-3 runs first
+            line = (
+                f"{name:<28} {r['tokens_per_s']:>9,.0f} {r['tokens_per_s'] / base['tokens_per_s']:>9.2f} "
+                f"{r['peak_gb']:>9.2f}GB {r['peak_gb'] / base['peak_gb']:>9.2f} {r['loss']:>11.4f}"
+            )
+            if args.gpu:
+                line += f"   doctor ({args.gpu}): {doctor_estimate(config, args.ranks, args.gpu, overrides)}"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

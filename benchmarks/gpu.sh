@@ -50,8 +50,11 @@ if [[ "$PARTS" == *" ep "* ]]; then
     if (( GPUS < 2 )); then
         echo "ep: needs several GPUs; this machine has $GPUS"
     else
+        # The doctor's name for this GPU (h100, h200, a100, ...), for its estimate beside each layout.
+        GPU_KEY=$("$PYTHON" -c "import torch; from tuneforge.estimate.hardware import GIB, accelerator_key
+p = torch.cuda.get_device_properties(0); print(accelerator_key(p.name, p.total_memory / GIB) or 'h100')")
         timeout 600 "$PYTHON" benchmarks/expert_parallel_cpu.py --ranks "$GPUS" --layers 4 --length 4096 --steps 8 \
-            --shapes src/tuneforge/recipes/models/deepseek-v2-lite-chat.config.json --precision bf16 --gpu h100 \
-            || echo "(cut off or failed)"
+            --shapes src/tuneforge/recipes/models/deepseek-v2-lite-chat.config.json --precision bf16 \
+            --gpu "$GPU_KEY" || echo "(cut off or failed)"
     fi
 fi

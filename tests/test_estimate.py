@@ -390,6 +390,6 @@ def test_a_precomputed_reference_costs_one_forward_over_the_pairs_before_the_fir
     table = estimate(config(**full), llama, "fsdp", 8, H100, num_samples=pairs)
     copy = estimate(config(**full, preference={"reference": "model"}), llama, "fsdp", 8, H100, num_samples=pairs)
     what, seconds = table.before_training
-    assert what == f"the reference's log-probabilities of {pairs:,} pairs (one forward pass)"
+    assert what == f"the reference's log-probabilities of {pairs:,} pairs (one forward pass, rows counted full)"
     assert seconds == pytest.approx(10 * dict((n, s) for n, s, _ in copy.times)["reference forward"])
     assert copy.before_training is None and "before the first step: the reference's" in format_estimate(table)

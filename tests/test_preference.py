@@ -345,6 +345,8 @@ log: {{progress: lines}}
         # offload its MoE blocks must be gathered whole too, or ranks routing differently wait on each other.
         ("llama", "fsdp", "model.lora=null", "model"),
         ("deepseek_v2", "zero3_offload", "model.lora=null", "model"),
+        # Below ZeRO-3 the copy is a replica DeepSpeed casts as it casts the policy, against disabled adapters.
+        ("llama", "zero2", "model.lora={r: 4, alpha: 8, dropout: 0.0}", "model"),
     ],
 )
 def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora, reference):
@@ -389,7 +391,9 @@ def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora, refe
 def test_in_the_reports_set_up_a_frozen_4bit_copy_equals_the_disabled_adapters(tmp_path):
     """QLoRA on a DeepseekV2 with adapters on the routed experts, ZeRO-3 with offload on 2 ranks: the reference as
     a frozen 4-bit copy of the base, partitioned by ZeRO-3 like the policy, trains exactly as the policy with
-    its adapters disabled (losses, rewards and the policy's router loss)."""
+    its adapters disabled (losses, rewards and the policy's router loss). Its weights load in bf16, as QLoRA's
+    usually do: the copy gets the k-bit preparation the policy's base gets (what stays in 16 bits cast to
+    fp32), or its norms and embeddings would compute in bf16 where the disabled adapters' compute in fp32."""
     from test_resume import QUANTIZED_SIZES
 
     from conftest import ENGINES, metrics
@@ -401,6 +405,7 @@ model:
   architecture: deepseek_v2
   size: {QUANTIZED_SIZES["deepseek_v2"]}
   tokenizer: bytes
+  dtype: bfloat16
   lora: {{r: 8, alpha: 16, dropout: 0.0, experts: true}}
   quantization: {{bits: 4, quant_type: nf4, double_quant: true, compute_dtype: float32}}
 data: {{train_files: [pairs.jsonl], cache_dir: null}}

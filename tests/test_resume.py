@@ -339,11 +339,19 @@ def test_a_resume_under_auto_precision_goes_on_in_the_interrupted_runs_precision
     )
 
 
-def test_a_bf16_run_is_not_resumed_under_auto_on_a_gpu_without_bf16():
+def test_a_bf16_run_is_not_resumed_under_auto_on_a_gpu_that_only_emulates_it():
     from tuneforge.errors import UserError
     from tuneforge.model.precision import resumed_precision
 
-    with pytest.raises(UserError, match=r"--resume ck: the interrupted run computed in bf16, which this GPU cannot"):
-        resumed_precision("auto", "fp32", "why", "bf16", on_gpu=True, gpu_has_bf16=False, checkpoint="ck")
-    assert resumed_precision("auto", "fp32", "why", None, True, False, "ck") == ("fp32", "why")  # older checkpoint
+    refused = r"--resume ck: the interrupted run computed in bf16, which this GPU only emulates \(slowly\); set "
+    refused += r"train\.precision=bf16 to go on in it anyway, or train\.precision=fp32"
+    with pytest.raises(UserError, match=refused):
+        resumed_precision("auto", "fp32", "why", "bf16", on_gpu=True, native_bf16=False, checkpoint="ck")
+    # A CPU that emulates bf16 goes on in it, and says what is faster.
+    precision, why = resumed_precision("auto", "fp32", "why", "bf16", on_gpu=False, native_bf16=False, checkpoint="ck")
+    faster = "(bf16 is emulated on this CPU; train.precision=fp32 is faster, with other numerics)"
+    assert precision == "bf16" and why.endswith(faster)
+    # A checkpoint of an older tuneforge does not record it: this machine's choice, said.
+    older = resumed_precision("auto", "fp32", "why", None, True, False, "ck")
+    assert older == ("fp32", "why; the checkpoint does not record the interrupted run's precision")
     assert resumed_precision("auto", "bf16", "why", "bf16", True, True, "ck") == ("bf16", "why")

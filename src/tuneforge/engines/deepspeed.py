@@ -233,23 +233,20 @@ class DeepSpeedEngine(Engine):
         return model if self._offloads_parameters else model.to(self.info.device)
 
     def frozen(self, model: torch.nn.Module) -> FrozenModel:
-        model = model.requires_grad_(False).eval()
-        if not self.traits.sharded:  # below ZeRO-3 every rank holds the whole model: a replica
-            if self.traits.casts_parameters:  # the dtype DeepSpeed computes the policy in
-                # nn.Module's own `to` casts floating-point tensors only (k-bit weights stay as they are), where
-                # transformers' refuses any cast of a quantized model.
-                dtype = torch.bfloat16 if self.config["bf16"]["enabled"] else torch.float16
-                torch.nn.Module.to(model, dtype)
-            model = model.to(self.info.device)
-            return FrozenModel(model, model, self.traits.fuses_output_layer)
         import deepspeed
 
-        # ZeRO-3 without an optimizer: DeepSpeed partitions the parameters (offloaded like the policy's) and
-        # gathers each module's for its forward, as it does for inference.
-        zero = {key: value for key, value in self.config["zero_optimization"].items() if key != "offload_optimizer"}
-        config = {key: value for key, value in self.config.items() if key != "expert_parallel"}
+        # DeepSpeed without an optimizer, as it runs inference: it casts the copy exactly as it cast the policy
+        # (parameters, not buffers) and, under ZeRO-3, partitions it (offloaded like the policy's) and gathers
+        # each module's parameters for its forward. Below ZeRO-3 there is nothing to shard without gradients or
+        # optimizer state: stage 0, a replica.
+        zero = {"stage": 0}
+        if self.traits.sharded:
+            zero = {k: v for k, v in self.config["zero_optimization"].items() if k != "offload_optimizer"}
+        training_only = ("optimizer", "scheduler", "expert_parallel", "zero_optimization")
+        config = {key: value for key, value in self.config.items() if key not in training_only}
         config["zero_optimization"] = zero
-        wrapped, *_ = deepspeed.initialize(model=self._placed(model), config=config, dist_init_required=False)
+        model = self._placed(model.requires_grad_(False).eval())
+        wrapped, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
         wrapped.eval()
         return FrozenModel(wrapped, wrapped.module, self.traits.fuses_output_layer)
 

@@ -24,8 +24,14 @@ PRESETS = {
 routed-expert count. Each is tested to convert to a model computing the original's logits and to write back its
 exact weights; DeepSeek-V2 and Qwen3-MoE also train on 2 ranks as in one process."""
 
-UNTESTED_PRESETS = {"qwen3_5_moe": "num_experts", "minimax_m3": "num_local_experts"}
-"""AutoEP presets of vision-language models, whose composite configs tuneforge does not train."""
+UNTESTED_PRESETS = {
+    "qwen3_5_moe": "num_experts",
+    "qwen3_5_moe_text": "num_experts",
+    "minimax_m3_vl": "num_local_experts",
+    "minimax_m3_vl_text": "num_local_experts",
+}
+"""Model types of the vision-language models AutoEP has presets for (their composite configs and their text
+parts), which tuneforge does not train under expert parallelism."""
 
 LAYER_CLASS = "AutoEPMoELayer"
 

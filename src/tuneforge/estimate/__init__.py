@@ -68,7 +68,8 @@ def estimate(
     before_training = None
     if cfg.train.objective == "dpo" and cfg.reference == "precompute" and num_samples:
         seconds = reference_pass_seconds(cfg, s, accelerator, math.ceil(num_samples / groups))
-        before_training = (f"the reference's log-probabilities of {num_samples:,} pairs (one forward pass)", seconds)
+        what = f"the reference's log-probabilities of {num_samples:,} pairs (one forward pass, rows counted full)"
+        before_training = (what, seconds)
     offload = "" if par.cpu_offload == "none" else f", cpu_offload={par.cpu_offload}"
     return Estimate(
         accelerator=accelerator,

@@ -33,14 +33,23 @@ ACCELERATORS = {
 keeps)."""
 
 
-def accelerator_for(device_name: str, memory_gib: float) -> Accelerator:
-    """The table's entry for a device name as CUDA reports it (`NVIDIA H200`), with the device's own memory;
-    unknown parts get no peak."""
-    for key, known in ACCELERATORS.items():
+def accelerator_key(device_name: str, memory_gib: float) -> str | None:
+    """The table's name (`--gpu`) for a device name as CUDA reports it (`NVIDIA H200`); None if unknown."""
+    for key in ACCELERATORS:
         model, _, size = key.partition("-")
         if model.upper() in device_name.upper() and (not size or (memory_gib > 50) == (size == "80gb")):
-            return Accelerator(device_name, memory_gib, known.bf16_flops, known.memory_bytes_per_s)
-    return Accelerator(device_name, memory_gib, None)
+            return key
+    return None
+
+
+def accelerator_for(device_name: str, memory_gib: float) -> Accelerator:
+    """The table's entry for a device name as CUDA reports it, with the device's own memory; unknown parts get
+    no peak."""
+    key = accelerator_key(device_name, memory_gib)
+    if key is None:
+        return Accelerator(device_name, memory_gib, None)
+    known = ACCELERATORS[key]
+    return Accelerator(device_name, memory_gib, known.bf16_flops, known.memory_bytes_per_s)
 
 
 def local_accelerator() -> Accelerator | None:

@@ -284,7 +284,14 @@ def build_frozen_copy(
     adapters is read back from `base_dir`, where the policy's load wrote it."""
     if cfg.architecture is not None and cfg.lora is not None:
         cfg = cfg.model_copy(update={"architecture": None, "path": str(base_dir)})
-    return build_model(cfg.model_copy(update={"lora": None}), tokenizer, seed, info, None, sharded_engine)
+    model = build_model(cfg.model_copy(update={"lora": None}), tokenizer, seed, info, None, sharded_engine)
+    if cfg.quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        # What the policy's k-bit preparation does to its base (its weights left in 16 bits cast to fp32), so
+        # the copy computes what the base with disabled adapters would; no checkpointing without a backward.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return model
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -40,21 +40,29 @@ def choose_precision(requested: str, on_gpu: bool, gpu_has_bf16: bool = True) ->
 
 
 def resumed_precision(
-    requested: str, chosen: str, why: str, trained_in: str | None, on_gpu: bool, gpu_has_bf16: bool, checkpoint: str
+    requested: str, chosen: str, why: str, trained_in: str | None, on_gpu: bool, native_bf16: bool, checkpoint: str
 ) -> tuple[str, str]:
     """The precision of a resumed run, and why: under `auto`, the interrupted run's (`trained_in`), so the resumed
-    run continues with the same numerics although this machine alone would pick another; refused where it cannot
-    compute in it. A precision set by hand is kept, with a note when the interrupted run's differed."""
-    if trained_in is None or trained_in == chosen:
+    run continues with the same numerics although this machine alone would pick another. bf16 where this machine
+    only emulates it: kept on a CPU (said, with the faster choice), refused on a GPU (emulated bf16 there is too
+    slow to choose silently). A precision set by hand is kept, with a note when the interrupted run's differed."""
+    if trained_in is None:  # written by a tuneforge before checkpoints recorded it
+        unknown = "the checkpoint does not record the interrupted run's precision"
+        return chosen, f"{why}; {unknown}" if why else f"set by hand; {unknown}"
+    if trained_in == chosen:
         return chosen, why
     if requested != "auto":
         return chosen, f"set by hand; the interrupted run computed in {trained_in}"
-    if trained_in == "bf16" and on_gpu and not gpu_has_bf16:
+    kept = f"the interrupted run computed in {trained_in}; on this machine alone auto would pick {chosen}"
+    if trained_in != "bf16" or native_bf16:
+        return trained_in, kept
+    if on_gpu:
         raise UserError(
-            f"--resume {checkpoint}: the interrupted run computed in bf16, which this GPU cannot; set "
-            "train.precision=fp32 to go on in fp32 anyway (its losses then differ slightly from the interrupted run's)"
+            f"--resume {checkpoint}: the interrupted run computed in bf16, which this GPU only emulates (slowly); "
+            "set train.precision=bf16 to go on in it anyway, or train.precision=fp32 (its losses then differ "
+            "slightly from the interrupted run's)"
         )
-    return trained_in, f"the interrupted run computed in {trained_in}; on this machine alone auto would pick {chosen}"
+    return trained_in, f"{kept} (bf16 is emulated on this CPU; train.precision=fp32 is faster, with other numerics)"
 
 
 def with_precision(cfg: Config, precision: str) -> Config:

@@ -23,13 +23,22 @@ class TokenForward:
 
     `model` may be an engine's wrapper; `plain` is the Hugging Face model inside it (for its config and output
     layer). `fuse`: whether the engine leaves the output layer's weight whole after the forward
-    (`EngineTraits.fuses_output_layer`), so the loss may apply it to the labelled tokens itself."""
+    (`EngineTraits.fuses_output_layer`), so the loss may apply it to the labelled tokens itself. `device`: where
+    the forward computes (by default, where `plain`'s first parameter is)."""
 
-    def __init__(self, model: torch.nn.Module, plain: torch.nn.Module, precision: str, fuse: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plain: torch.nn.Module,
+        precision: str,
+        fuse: bool = True,
+        device: torch.device | None = None,
+    ):
         self.model = model
         self.plain = plain
         self.precision = precision
-        self.device = next(plain.parameters()).device
+        # The rank's device, from the engine: an engine that offloads parameters keeps them in host memory.
+        self.device = device if device is not None else next(plain.parameters()).device
         self.head = fused_output_layer(plain) if fuse else None
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
 

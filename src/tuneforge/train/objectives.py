@@ -35,7 +35,8 @@ def build_objective(
     the policy's forward only. DPO's reference: the base with the adapters disabled; with `precompute` the
     table of every answer's log-probability it computes with the model before training; with `reference_model`
     a frozen copy of the model before training (`Engine.frozen`)."""
-    forward = TokenForward(engine.model, engine.unwrapped, precision, engine.traits.fuses_output_layer)
+    device = engine.info.device
+    forward = TokenForward(engine.model, engine.unwrapped, precision, engine.traits.fuses_output_layer, device)
     settings = preference or PreferenceConfig()
     if objective == "sft":
         return CrossEntropy(forward, balance, engine.sum_tensor_across_ranks)
@@ -46,7 +47,7 @@ def build_objective(
             reference = precomputed_reference(precompute(forward), forward.device)
         elif reference_model is not None:
             frozen = TokenForward(
-                reference_model.module, reference_model.plain, precision, reference_model.fuses_output_layer
+                reference_model.module, reference_model.plain, precision, reference_model.fuses_output_layer, device
             )
             reference = frozen_model_reference(frozen, reference_model.release)
         elif hasattr(engine.unwrapped, "disable_adapter"):

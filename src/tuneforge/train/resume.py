@@ -14,7 +14,7 @@ from tuneforge.config.schema import Config
 from tuneforge.distributed import DistInfo, barrier
 from tuneforge.engines import Engine
 from tuneforge.errors import UserError, first_line
-from tuneforge.model.precision import choose_precision, resumed_precision
+from tuneforge.model.precision import choose_precision, native_cpu_half_precision, resumed_precision
 from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.train.checkpoint import step_checkpoints
 from tuneforge.train.loop import Trainer
@@ -84,8 +84,9 @@ def run_precision(requested: str, info: DistInfo, resume_dir: Path | None) -> tu
     if resume_dir is None:
         return precision, why
     trained_in = read_state(resume_dir).precision
-    has_bf16 = not on_gpu or torch.cuda.is_bf16_supported()
-    return resumed_precision(requested, precision, why, trained_in, on_gpu, has_bf16, str(resume_dir))
+    if not on_gpu:
+        native_bf16 = native_cpu_half_precision()
+    return resumed_precision(requested, precision, why, trained_in, on_gpu, native_bf16, str(resume_dir))
 
 
 def checked_resume(

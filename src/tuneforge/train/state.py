@@ -184,6 +184,8 @@ def _check_types(point: ResumePoint) -> None:
     for name in ("run_id", "train_data", "precision"):
         if getattr(point, name) is not None and not isinstance(getattr(point, name), str):
             raise ValueError(f"{name} is {getattr(point, name)!r}, not text")
+    if point.precision not in (None, "fp32", "bf16", "fp16"):
+        raise ValueError(f"precision is {point.precision!r}, not one of train.precision's fp32, bf16, fp16")
 
 
 def find_resume(
