@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -73,17 +74,41 @@ def test_a_stop_signal_delivered_twice_at_once_is_one_request_and_a_later_one_a_
 
 
 def test_a_peer_is_gone_when_its_heartbeat_is_missing_stale_or_finished(tmp_path):
-    """What ends a graceful stop's wait at once: the ranks can no longer all vote on a step to stop at."""
+    """What ends a graceful stop's wait at once: the ranks can no longer all vote on a step to stop at. A peer
+    on another host is judged by its heartbeat's age, with room for a busy rank's lagging monitor thread; a
+    peer on this host by its process (the full suite on 2 cores once delayed a heartbeat past 3 s)."""
     import json
+    import signal
+    import socket
     import time
 
-    from tuneforge.watchdog import StallWatchdog
+    from tuneforge.diagnostics.files import process_start_ticks
+    from tuneforge.watchdog import GONE_AFTER_S, StallWatchdog
 
     dog = StallWatchdog(tmp_path, startup_timeout_s=30, stall_timeout_s=None, rank=0, world_size=2)
     (tmp_path / "live").mkdir()
     assert dog._a_peer_is_gone()  # rank 1 never wrote a heartbeat
     beat = tmp_path / "live" / "rank-1.json"
-    for updated, finished, gone in [(0, False, False), (10, False, True), (0, True, True)]:
-        beat.write_text(json.dumps({"rank": 1, "updated": time.time() - updated, "finished": finished}))
-        assert dog._a_peer_is_gone() == gone, (updated, finished)
+    elsewhere = {"rank": 1, "host": "another-node", "pid": 1}
+    for age, finished, gone in [(5, False, False), (GONE_AFTER_S + 1, False, True), (0, True, True)]:
+        beat.write_text(json.dumps({**elsewhere, "updated": time.time() - age, "finished": finished}))
+        assert dog._a_peer_is_gone() == gone, (age, finished)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        time.sleep(0.2)  # the stop takes effect asynchronously
+        here, me = socket.gethostname(), os.getpid()
+        for pid, started, gone in [
+            (me, process_start_ticks(me), False),  # alive: not gone, however old its heartbeat
+            (int(ended.stdout), None, True),  # its process has ended
+            (me, (process_start_ticks(me) or 0) + 1, True),  # the pid names another process now
+            (frozen.pid, process_start_ticks(frozen.pid), True),  # stopped (SIGSTOP): it cannot vote
+        ]:
+            stale = {"rank": 1, "host": here, "pid": pid, "pid_started": started, "updated": time.time() - 60}
+            beat.write_text(json.dumps({**stale, "finished": False}))
+            assert dog._a_peer_is_gone() == gone, (pid, started)
+    finally:
+        frozen.kill()
+        frozen.wait()
     assert not StallWatchdog(tmp_path, startup_timeout_s=30, stall_timeout_s=None)._a_peer_is_gone()  # alone

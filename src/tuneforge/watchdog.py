@@ -39,7 +39,9 @@ from tuneforge.diagnostics.files import (
     black_box_file,
     fatal_stacks_file,
     process_start_ticks,
+    process_state,
     read_json,
+    same_process_alive,
     write_json,
 )
 from tuneforge.diagnostics.recorder import RECORDER, CollectiveRecorder
@@ -51,6 +53,22 @@ SAME_STOP_S = 2.0
 """A stop signal within this time of the first is the same request delivered twice (a terminal's Ctrl-C reaches
 every process, and torchrun forwards it to its workers again); a later one stops at once."""
 RECENT_COLLECTIVES = 32
+
+
+GONE_AFTER_S = 10 * HEARTBEAT_EVERY_S
+"""A peer on another host whose heartbeat is this old is taken for gone. A busy rank's monitor thread can lag a
+few seconds behind its schedule on loaded cores; a peer on this host is asked directly instead."""
+
+
+def _gone(peer: dict, now: float) -> bool:
+    """A peer that finished, whose process has ended or is stopped (SIGSTOP: it cannot vote) on this host, or
+    whose heartbeat stopped (elsewhere)."""
+    if peer.get("finished"):
+        return True
+    alive = same_process_alive(peer)
+    if alive is None:
+        return now - peer["updated"] > GONE_AFTER_S
+    return not alive or process_state(int(peer["pid"])) in ("T", "t", "Z")
 
 
 class StallWatchdog:
@@ -326,9 +344,7 @@ class StallWatchdog:
             return False
         now = time.time()
         peers = self.peers()
-        return len(peers) < self.world_size - 1 or any(
-            p.get("finished") or now - p["updated"] > 3 * HEARTBEAT_EVERY_S for p in peers.values()
-        )
+        return len(peers) < self.world_size - 1 or any(_gone(peer, now) for peer in peers.values())
 
     def _terminate(self, received: signal.Signals, why: str) -> None:
         detail = f"stopped by {received.name}" + (f" ({why})" if why else "")

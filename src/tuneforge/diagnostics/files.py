@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 STOPPED = "stopped.txt"
@@ -32,6 +33,30 @@ def process_start_ticks(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter Linux reports for process `pid` (`R` running, `S` sleeping, `T` stopped, `Z` exited but
+    not reaped, ...); None if it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def same_process_alive(heartbeat: dict) -> bool | None:
+    """Whether the process a heartbeat names (its pid, and its start time where recorded, since a pid may be
+    reused) still runs; None when it ran on another host, where only the heartbeat's age can tell."""
+    if heartbeat.get("host") != socket.gethostname():
+        return None
+    pid, started = int(heartbeat["pid"]), heartbeat.get("pid_started")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return started is None or process_start_ticks(pid) == started
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -14,7 +14,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from tuneforge.diagnostics.files import (
     fatal_stacks_file,
     process_start_ticks,
     read_json,
+    same_process_alive,
 )
 from tuneforge.diagnostics.recorder import _is_library, read_black_box
 
@@ -43,16 +43,8 @@ class Diagnosis:
 
 
 def _alive(heartbeat: dict | None) -> bool | None:
-    """Whether a rank's process still exists (None when it ran on another host)."""
-    if heartbeat is None or heartbeat.get("host") != socket.gethostname():
-        return None
-    try:
-        os.kill(int(heartbeat["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether a rank's process still exists (None when it ran on another host, or left no heartbeat)."""
+    return same_process_alive(heartbeat) if heartbeat is not None else None
 
 
 FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
