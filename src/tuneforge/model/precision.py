@@ -46,9 +46,8 @@ def resumed_precision(
     run continues with the same numerics although this machine alone would pick another. bf16 where this machine
     only emulates it: kept on a CPU (said, with the faster choice), refused on a GPU (emulated bf16 there is too
     slow to choose silently). A precision set by hand is kept, with a note when the interrupted run's differed."""
-    if trained_in is None:  # written by a tuneforge before checkpoints recorded it
-        unknown = "the checkpoint does not record the interrupted run's precision"
-        return chosen, f"{why}; {unknown}" if why else f"set by hand; {unknown}"
+    if trained_in is None:  # written by a tuneforge before checkpoints recorded it; said where auto chose
+        return chosen, f"{why}; the checkpoint does not record the interrupted run's precision" if why else ""
     if trained_in == chosen:
         return chosen, why
     if requested != "auto":

@@ -54,9 +54,7 @@ from tuneforge.train.plot import plot_at_end
 from tuneforge.train.reference import reference_tables
 from tuneforge.train.resume import checked_resume, resume_from, run_precision
 from tuneforge.train.sinks import require_packages
-from tuneforge.train.state import (
-    data_changed_note,
-)
+from tuneforge.train.state import data_changed_note
 from tuneforge.train.validate import validation_batches
 from tuneforge.train.workdir import recorded_run, release_lock, start_run, take_lock
 from tuneforge.watchdog import StallWatchdog
