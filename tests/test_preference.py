@@ -394,26 +394,22 @@ def test_in_the_reports_set_up_a_frozen_4bit_copy_equals_the_disabled_adapters(t
     its adapters disabled (losses, rewards and the policy's router loss). Its weights load in bf16, as QLoRA's
     usually do: the copy gets the k-bit preparation the policy's base gets (what stays in 16 bits cast to
     fp32), or its norms and embeddings would compute in bf16 where the disabled adapters' compute in fp32."""
-    from test_resume import QUANTIZED_SIZES
+    from test_resume import report_model_section
 
     from conftest import ENGINES, metrics
 
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
     config = tmp_path / "cfg.yaml"
-    config.write_text(f"""\
-model:
-  architecture: deepseek_v2
-  size: {QUANTIZED_SIZES["deepseek_v2"]}
-  tokenizer: bytes
-  dtype: bfloat16
-  lora: {{r: 8, alpha: 16, dropout: 0.0, experts: true}}
-  quantization: {{bits: 4, quant_type: nf4, double_quant: true, compute_dtype: float32}}
-data: {{train_files: [pairs.jsonl], cache_dir: null}}
-train: {{objective: dpo, lr: 1.0e-2, warmup_steps: 1, precision: fp32, micro_batch_size: 2, gradient_accumulation: 2,
-  max_steps: 3}}
-checkpoint: {{every_steps: 0, save_final: false}}
-log: {{progress: lines}}
-""")
+    config.write_text(
+        report_model_section(dtype="bfloat16")
+        + """\
+data: {train_files: [pairs.jsonl], cache_dir: null}
+train: {objective: dpo, lr: 1.0e-2, warmup_steps: 1, precision: fp32, micro_batch_size: 2, gradient_accumulation: 2,
+  max_steps: 3}
+checkpoint: {every_steps: 0, save_final: false}
+log: {progress: lines}
+"""
+    )
     runs = {
         reference: launch(
             config, tmp_path / reference, f"preference.reference={reference}", *ENGINES["zero3_offload"], ranks=2

@@ -168,6 +168,17 @@ QUANTIZED_SIZES = {
 }
 
 
+def report_model_section(dtype: str | None = None) -> str:
+    """The `model:` section of the report's set-up in small: a 4-bit DeepseekV2 (NF4, double quant) with LoRA
+    adapters on its routed experts too; `dtype` for the weights' load dtype (the default otherwise)."""
+    loaded = f"  dtype: {dtype}\n" if dtype else ""
+    return (
+        f"model:\n  architecture: deepseek_v2\n  size: {QUANTIZED_SIZES['deepseek_v2']}\n  tokenizer: bytes\n{loaded}"
+        "  lora: {r: 8, alpha: 16, dropout: 0.0, experts: true}\n"
+        "  quantization: {bits: 4, quant_type: nf4, double_quant: true, compute_dtype: float32}\n"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("architecture", "bits", "experts", "engine"),

@@ -154,24 +154,22 @@ def test_a_reward_model_in_the_reports_set_up_on_two_ranks_equals_one_process(tm
     accuracies, router loss and adapters (score head included) as one process with the same global batch."""
     from safetensors.torch import load_file
 
-    from test_resume import QUANTIZED_SIZES
+    from test_resume import report_model_section
 
     from conftest import ENGINES, metrics, train_here
 
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
     config = tmp_path / "cfg.yaml"
-    config.write_text(f"""\
-model:
-  architecture: deepseek_v2
-  size: {QUANTIZED_SIZES["deepseek_v2"]}
-  tokenizer: bytes
-  lora: {{r: 8, alpha: 16, dropout: 0.0, experts: true}}
-  quantization: {{bits: 4, quant_type: nf4, double_quant: true, compute_dtype: float32}}
-data: {{train_files: [pairs.jsonl], cache_dir: null}}
-train: {{objective: reward, lr: 1.0e-2, warmup_steps: 1, precision: fp32, gradient_accumulation: 2, max_steps: 3}}
-checkpoint: {{every_steps: 0}}
-log: {{progress: lines}}
-""")
+    config.write_text(
+        report_model_section()
+        + """\
+data: {train_files: [pairs.jsonl], cache_dir: null}
+train: {objective: reward, lr: 1.0e-2, warmup_steps: 1, precision: fp32, gradient_accumulation: 2, max_steps: 3}
+checkpoint: {every_steps: 0}
+log: {progress: lines}
+"""
+    )
+
     one = train_here(config, tmp_path / "one", "train.micro_batch_size=4")
     assert one.returncode == 0, one.stderr[-3000:]
     assert "model: DeepseekV2ForSequenceClassification" in one.stdout and "chat with it" not in one.stdout
