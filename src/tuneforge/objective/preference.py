@@ -27,9 +27,9 @@ from tuneforge.objective.forward import TokenForward
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
 """TRL's names, so dashboards built for it read ours."""
 
-ReferenceLogProbs = Callable[[MicroBatch], torch.Tensor]
+ReferenceLogProbs = Callable[["MicroBatch", "AnswerLayout"], torch.Tensor]
 """The reference model's log-probability of each answer of a micro-batch (row by row, on the model's device, no
-gradient)."""
+gradient), given the batch's answer layout (built once per micro-batch, shared with the policy's sums)."""
 
 
 @dataclass(frozen=True)
@@ -94,17 +94,18 @@ def answer_of_targets(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return answers_of(batch), torch.bincount(answers_of(rows), minlength=answers)
 
 
-def answer_log_probs(forward: TokenForward, batch: MicroBatch) -> torch.Tensor:
+def answer_log_probs(forward: TokenForward, batch: MicroBatch, layout: AnswerLayout | None = None) -> torch.Tensor:
     """Each answer's log-probability under `forward`'s model as it is: the sum over its target tokens."""
-    return AnswerLayout.of(batch, forward.device).sums(forward.target_log_probs(batch))
+    layout = layout if layout is not None else AnswerLayout.of(batch, forward.device)
+    return layout.sums(forward.target_log_probs(batch))
 
 
 def disabled_adapters_reference(forward: TokenForward, peft_model: torch.nn.Module) -> ReferenceLogProbs:
     """The reference of LoRA and QLoRA training: the same model with its adapters disabled (no copy)."""
 
-    def reference(batch: MicroBatch) -> torch.Tensor:
+    def reference(batch: MicroBatch, layout: AnswerLayout) -> torch.Tensor:
         with torch.no_grad(), peft_model.disable_adapter():
-            return answer_log_probs(forward, batch)
+            return answer_log_probs(forward, batch, layout)
 
     return reference
 
@@ -113,10 +114,10 @@ def frozen_model_reference(forward: TokenForward, release: Callable[[], None]) -
     """The reference kept as a frozen model beside the policy (`preference.reference: model`): its forward
     with no gradient, then `release` to free what that forward left gathered."""
 
-    def reference(batch: MicroBatch) -> torch.Tensor:
+    def reference(batch: MicroBatch, layout: AnswerLayout) -> torch.Tensor:
         with torch.no_grad():
             try:
-                return answer_log_probs(forward, batch)
+                return answer_log_probs(forward, batch, layout)
             finally:
                 release()
 
@@ -128,7 +129,7 @@ def precomputed_reference(table: torch.Tensor, device: torch.device) -> Referenc
     computed once (`train.reference`) and looked up by the answer's index in the data."""
     table = table.to(device)
 
-    def reference(batch: MicroBatch) -> torch.Tensor:
+    def reference(batch: MicroBatch, layout: AnswerLayout) -> torch.Tensor:
         return table.index_select(0, to_device(torch.tensor(batch.sample_indices), device))
 
     return reference
@@ -183,13 +184,14 @@ class DirectPreference(PairObjective):
         self.label_smoothing = label_smoothing
         self.sft_weight = sft_weight
 
-    def prepare(self, batch: MicroBatch) -> torch.Tensor:
-        return self.reference(batch)
+    def prepare(self, batch: MicroBatch) -> tuple[AnswerLayout, torch.Tensor]:
+        # The answer layout (CPU index work and its copies to the device) once per micro-batch, for both passes.
+        layout = AnswerLayout.of(batch, self.forward.device)
+        return layout, self.reference(batch, layout)
 
     def evaluate(self, batch: MicroBatch, prepared: object) -> tuple[torch.Tensor, Metrics]:
-        assert isinstance(prepared, torch.Tensor)
-        layout = AnswerLayout.of(batch, self.forward.device)
-        policy, reference = layout.sums(self.forward.target_log_probs(batch)), prepared
+        layout, reference = prepared  # type: ignore[misc]
+        policy = layout.sums(self.forward.target_log_probs(batch))
         if self.loss_type == "ipo":  # IPO compares mean token log-probs, so long answers do not dominate
             lengths = layout.tokens.clamp(min=1)
             policy, reference = policy / lengths, reference / lengths
