@@ -93,6 +93,17 @@ def fp16_config(train: TrainConfig) -> dict[str, Any]:
     }
 
 
+def skip_inference_only_kernels() -> None:
+    """DeepSpeed's communication backend compiles a shared-memory all-reduce the first time it starts on a CPU
+    machine (40-50 s on 2 cores, again for each new environment path). Only DeepSpeed inference's
+    `inference_all_reduce` uses it; training never does. Marked unbuildable in DeepSpeed's table of compatible ops
+    (a table it keeps editable for this), the backend keeps torch.distributed's all-reduce, as where the build
+    cannot run."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def _load_trainable_weights(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
     """The module part of a DeepSpeed checkpoint, for what trains. Frozen weights are rebuilt identically when the
     run starts, and a quantized base saves state (bitsandbytes' absmax, quant_map...) that `load_state_dict` does
@@ -156,6 +167,7 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         super().__init__(info, parallel, train, moe)
+        skip_inference_only_kernels()
         self.fp16 = train.precision == "fp16"
         """DeepSpeed's own fp16 loss scaler runs (and skips the steps whose gradients overflow)."""
         bf16 = train.precision == "bf16" and info.device.type == "cuda"
