@@ -1,3 +1,3 @@
-from tuneforge.cli import main
+from tuneforge.cli import command
 
-raise SystemExit(main())
+raise SystemExit(command())
