@@ -65,9 +65,10 @@ def launch(
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def train_here(config: Path, work_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
-    """`tuneforge train` in this process, through the same `main()` as the command: for one-process runs that
-    are not killed, without the seconds each new process spends importing torch and transformers."""
+def tuneforge_here(*argv: str, fault: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`tuneforge ARGV...` in this process, through the same `main()` as the command, in `cwd` if given: for
+    one-process commands that are not killed, without the seconds each new process spends importing torch and
+    transformers."""
     import contextlib
     import io
 
@@ -77,14 +78,19 @@ def train_here(config: Path, work_dir: Path, *extra: str, fault: str = "") -> su
     previous = os.environ.get("TUNEFORGE_INJECT_FAULT")
     os.environ["TUNEFORGE_INJECT_FAULT"] = fault
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(["train", str(config), "--work-dir", str(work_dir), *extra])
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(cwd or Path.cwd()):
+            code = main(list(argv))
     finally:
         if previous is None:
             del os.environ["TUNEFORGE_INJECT_FAULT"]
         else:
             os.environ["TUNEFORGE_INJECT_FAULT"] = previous
-    return subprocess.CompletedProcess(["tuneforge", "train"], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(["tuneforge", *argv], code, out.getvalue(), err.getvalue())
+
+
+def train_here(config: Path, work_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
+    """`tuneforge train CONFIG --work-dir WORK_DIR EXTRA...` in this process (see `tuneforge_here`)."""
+    return tuneforge_here("train", str(config), "--work-dir", str(work_dir), *extra, fault=fault)
 
 
 def metrics(work_dir: Path) -> list[dict]:

@@ -17,7 +17,7 @@ from tuneforge.engines.expert_parallel import expert_parallel_problems
 from tuneforge.errors import UserError
 from tuneforge.train.state import check_compatible, read_state
 
-from conftest import TINY_MODELS, chat, launch, metrics, write_jsonl
+from conftest import TINY_MODELS, chat, launch, metrics, train_here, write_jsonl
 
 CONFIG = f"""\
 model: {TINY_MODELS["deepseek_v2"]}
@@ -58,8 +58,8 @@ def expert_parallel_run(tmp_path_factory):
 def test_two_ranks_with_experts_split_between_them_train_as_one_process(expert_parallel_run, tmp_path):
     directory, result = expert_parallel_run
     assert "experts: 4 per layer over 2 ranks, 2 each (DeepSpeed AutoEP)" in result.stdout
-    one = launch(directory / "cfg.yaml", tmp_path / "one", "parallel.engine=single", "parallel.expert_parallel=1",
-                 "train.micro_batch_size=4")  # fmt: skip
+    one = train_here(directory / "cfg.yaml", tmp_path / "one", "parallel.engine=single", "parallel.expert_parallel=1",
+                     "train.micro_batch_size=4")  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     split, whole = metrics(directory / "run"), metrics(tmp_path / "one")
     for key in ("loss", "router_aux_loss", "grad_norm"):
@@ -80,8 +80,8 @@ def test_a_qwen3_moe_with_experts_split_between_two_ranks_trains_as_one_process(
     split = launch(tmp_path / "cfg.yaml", tmp_path / "split", ranks=2)
     assert split.returncode == 0, split.stderr[-3000:]
     assert "experts: 4 per layer over 2 ranks, 2 each (DeepSpeed AutoEP)" in split.stdout
-    one = launch(tmp_path / "cfg.yaml", tmp_path / "one", "parallel.engine=single", "parallel.expert_parallel=1",
-                 "train.micro_batch_size=4")  # fmt: skip
+    one = train_here(tmp_path / "cfg.yaml", tmp_path / "one", "parallel.engine=single", "parallel.expert_parallel=1",
+                     "train.micro_batch_size=4")  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     for key in ("loss", "router_aux_loss", "grad_norm"):
         mine, theirs = metrics(tmp_path / "split"), metrics(tmp_path / "one")

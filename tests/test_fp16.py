@@ -93,10 +93,10 @@ def test_gradients_are_unscaled_before_the_norm(job):
 def test_resume_restores_the_loss_scale(job):
     """Overflow before the checkpoint and growth after it: the resumed run's scales and losses are the same."""
     overrides = ["train.initial_loss_scale=16777216", "train.loss_scale_window=2", "checkpoint.every_steps=3"]
-    assert train(job, "whole", *overrides, "train.max_steps=12").returncode == 0
+    assert train(job, "whole", *overrides, "train.max_steps=12", here=True).returncode == 0
     killed = train(job, "run", *overrides, "train.max_steps=12", fault="kill:0:8")
     assert killed.returncode != 0
-    resumed = train(job, "run", *overrides, "train.max_steps=12", "--resume", "auto")
+    resumed = train(job, "run", *overrides, "train.max_steps=12", "--resume", "auto", here=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     whole, run = metrics(job / "whole"), metrics(job / "run")
 

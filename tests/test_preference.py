@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 
 import pytest
 import torch
@@ -20,7 +21,17 @@ from tuneforge.objective.log_probs import linear_target_log_probs
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.objectives import build_objective
 
-from conftest import TINY_LLAMA, TUNEFORGE, chat, launch, single_engine, tiny_llama, with_lora, write_jsonl
+from conftest import (
+    TINY_LLAMA,
+    TUNEFORGE,
+    chat,
+    launch,
+    single_engine,
+    tiny_llama,
+    train_here,
+    with_lora,
+    write_jsonl,
+)
 
 LOSS_TYPES = ["sigmoid", "robust", "hinge", "ipo", "sppo_hard", "nca_pair"]
 
@@ -263,7 +274,7 @@ log: {progress: lines}
 def test_dpo_through_the_cli_logs_rewards_and_resumes_exactly(tmp_path):
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(24)])
     (tmp_path / "cfg.yaml").write_text(DPO_CONFIG)
-    whole = launch(tmp_path / "cfg.yaml", tmp_path / "whole")
+    whole = train_here(tmp_path / "cfg.yaml", tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "x 2 pairs x 1 rank(s)" in whole.stdout and "acc " in whole.stdout
     assert "samples per step              24 pairs, 2 per global micro-batch" in whole.stdout  # not 48 answers
@@ -274,7 +285,7 @@ def test_dpo_through_the_cli_logs_rewards_and_resumes_exactly(tmp_path):
     # Killed after step 3's checkpoint, resumed: the same steps as without the interruption.
     cut = launch(tmp_path / "cfg.yaml", tmp_path / "cut", "train.max_steps=6", fault="kill:0:4")
     assert cut.returncode != 0
-    resumed = launch(tmp_path / "cfg.yaml", tmp_path / "cut", "--resume", "auto")
+    resumed = train_here(tmp_path / "cfg.yaml", tmp_path / "cut", "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in again] == list(range(1, 7))
@@ -285,30 +296,23 @@ def test_dpo_through_the_cli_logs_rewards_and_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_the_wrong_kind_of_data_stops_before_the_model_loads(tmp_path):
-    import subprocess
+    from conftest import tuneforge_here
 
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(4)])
     write_jsonl(tmp_path / "chats.jsonl", [chat("q", "a")])
     (tmp_path / "cfg.yaml").write_text(DPO_CONFIG)
-    sft_on_pairs = subprocess.run(
-        [TUNEFORGE, "data", "check", str(tmp_path / "cfg.yaml"), "train.objective=sft"], capture_output=True, text=True
-    )
+    sft_on_pairs = tuneforge_here("data", "check", str(tmp_path / "cfg.yaml"), "train.objective=sft")
     assert sft_on_pairs.returncode != 0
     assert "pairs.jsonl:1: this row is a preference pair" in sft_on_pairs.stderr
     assert "set train.objective: dpo, orpo or reward" in sft_on_pairs.stderr
-    dpo_on_chats = subprocess.run(
-        [TUNEFORGE, "data", "check", str(tmp_path / "cfg.yaml"), "data.train_files=[chats.jsonl]"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
+    chats = "data.train_files=[chats.jsonl]"
+    dpo_on_chats = tuneforge_here("data", "check", str(tmp_path / "cfg.yaml"), chats, cwd=tmp_path)
     assert dpo_on_chats.returncode != 0
     assert "chats.jsonl:1: train.objective trains on preference pairs" in dpo_on_chats.stderr
     assert "(a openai conversation: train on it with train.objective: sft)" in dpo_on_chats.stderr
-    checked = subprocess.run(
-        [TUNEFORGE, "data", "check", str(tmp_path / "cfg.yaml")], capture_output=True, text=True, cwd=tmp_path
-    )
+    checked = tuneforge_here("data", "check", str(tmp_path / "cfg.yaml"), cwd=tmp_path)
     assert checked.returncode == 0 and "4 records read from 1 source(s); 4 kept" in checked.stdout
+    # Through the command itself once: the refusal and its exit status as users see them.
     full = subprocess.run(
         [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "model.lora=null", "preference.reference=adapters"],
         capture_output=True,
@@ -357,7 +361,7 @@ def test_dpo_on_two_ranks_equals_one_process(tmp_path, model, engine, lora, refe
     one process its precomputed log-probs."""
     from safetensors.torch import load_file
 
-    from conftest import ENGINES, TINY_MODELS, metrics, train_here
+    from conftest import ENGINES, TINY_MODELS, metrics
 
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
     config = tmp_path / "cfg.yaml"
@@ -428,7 +432,7 @@ def test_a_resumed_run_builds_its_frozen_reference_from_the_model_before_trainin
     """Full fine-tuning with `preference.reference: model`, resumed from its step-2 checkpoint: the copy is the
     model before training again (not the checkpoint's weights), so the resumed steps equal the uninterrupted
     run's, which equal a precomputed reference's."""
-    from conftest import metrics, train_here
+    from conftest import metrics
 
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
     job = DPO_CONFIG.replace("max_steps: 6", "max_steps: 4").replace("every_steps: 3", "every_steps: 2")
@@ -453,8 +457,8 @@ def test_full_fine_tuning_dpo_precomputes_its_reference_once_and_equals_a_live_o
     resume, which then equals the uninterrupted run."""
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(24)])
     (tmp_path / "cfg.yaml").write_text(DPO_CONFIG.replace("max_steps: 6", "max_steps: 4"))
-    live = launch(tmp_path / "cfg.yaml", tmp_path / "live")
-    table = launch(tmp_path / "cfg.yaml", tmp_path / "table", "preference.reference=precompute")
+    live = train_here(tmp_path / "cfg.yaml", tmp_path / "live")
+    table = train_here(tmp_path / "cfg.yaml", tmp_path / "table", "preference.reference=precompute")
     assert live.returncode == table.returncode == 0, table.stderr[-3000:]
     assert "dpo reference: computing the train log-probabilities" in table.stdout
     live_losses = [json.loads(line)["loss"] for line in (tmp_path / "live" / "metrics.jsonl").open()]
@@ -462,13 +466,13 @@ def test_full_fine_tuning_dpo_precomputes_its_reference_once_and_equals_a_live_o
     assert table_losses == pytest.approx(live_losses, abs=1e-6)
 
     full = ["model.lora=null", "checkpoint.every_steps=2"]
-    whole = launch(tmp_path / "cfg.yaml", tmp_path / "full", *full)
+    whole = train_here(tmp_path / "cfg.yaml", tmp_path / "full", *full)
     assert whole.returncode == 0, whole.stderr[-3000:]
     saved = list((tmp_path / "full" / "reference").glob("train-*.safetensors"))
     assert len(saved) == 1
     cut = launch(tmp_path / "cfg.yaml", tmp_path / "cut", *full, fault="kill:0:3")
     assert cut.returncode != 0
-    resumed = launch(tmp_path / "cfg.yaml", tmp_path / "cut", *full, "--resume", "auto")
+    resumed = train_here(tmp_path / "cfg.yaml", tmp_path / "cut", *full, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "dpo reference: train log-probabilities read from" in resumed.stdout
     again = [json.loads(line)["loss"] for line in (tmp_path / "cut" / "metrics.jsonl").open()]
@@ -502,7 +506,7 @@ def test_validation_over_held_out_pairs_counts_each_pair_once(tmp_path, tokenize
 def test_the_dpo_demo_config_trains_and_validates(tmp_path):
     from conftest import REPO
 
-    result = launch(REPO / "configs" / "demo_dpo.yaml", tmp_path / "run", "train.max_steps=2", "eval.every_steps=2")
+    result = train_here(REPO / "configs" / "demo_dpo.yaml", tmp_path / "run", "train.max_steps=2", "eval.every_steps=2")
     assert result.returncode == 0, result.stderr[-3000:]
     record = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()][-1]
     assert {"val_loss", "val_rewards/accuracy", "rewards/margin"} <= record.keys()
@@ -522,7 +526,7 @@ def test_pairs_split_across_two_ranks_equal_one_process_with_whole_rows(tmp_path
     (a conversation's score) the sum of both halves' parts: the same losses, rewards and weights as one process."""
     from test_sequence_parallel import assert_same_weights
 
-    from conftest import ENGINES, TINY_MODELS, metrics, train_here
+    from conftest import ENGINES, TINY_MODELS, metrics
 
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
     config = tmp_path / "cfg.yaml"

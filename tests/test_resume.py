@@ -10,7 +10,7 @@ import pytest
 
 from tuneforge.diagnose import last_report
 
-from conftest import ENGINES, TINY_LLAMA, TUNEFORGE, chat, launch, metrics, train_here, write_jsonl
+from conftest import ENGINES, TINY_LLAMA, chat, launch, metrics, train_here, tuneforge_here, write_jsonl
 
 CONFIG = (
     TINY_LLAMA
@@ -26,6 +26,10 @@ LORA = "lora: {r: 4, alpha: 8, dropout: 0.2}"
 
 
 def train(tmp_path, name: str, *extra: str, fault: str = "", ranks: int = 1) -> subprocess.CompletedProcess:
+    """A run of the job in `tmp_path`: in this process where nothing kills it and one process runs it (the same
+    `main()` as the command, without a new process's seconds of imports), else through the launcher."""
+    if ranks == 1 and not fault:
+        return train_here(tmp_path / "cfg.yaml", tmp_path / name, *extra)
     return launch(tmp_path / "cfg.yaml", tmp_path / name, *extra, ranks=ranks, fault=fault)
 
 
@@ -284,9 +288,7 @@ def assert_the_merged_export_computes_as_trained(checkpoint, out) -> None:
 
     from tuneforge.trained import load_trained
 
-    exported = subprocess.run(
-        [TUNEFORGE, "export", str(checkpoint), "--out", str(out), "--merge"], capture_output=True, text=True
-    )
+    exported = tuneforge_here("export", str(checkpoint), "--out", str(out), "--merge")
     assert exported.returncode == 0, exported.stderr
     merged = AutoModelForCausalLM.from_pretrained(out)
     trained = load_trained(checkpoint).model

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from tuneforge.data.batching import collate
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.objectives import build_objective
 
-from conftest import TINY_DENSE, TINY_LLAMA, TUNEFORGE, launch, single_engine, write_jsonl
+from conftest import TINY_DENSE, TINY_LLAMA, launch, single_engine, train_here, tuneforge_here, write_jsonl
 
 
 def tiny_reward_model(tokenizer, seed: int = 0) -> LlamaForSequenceClassification:
@@ -117,16 +116,14 @@ def test_a_reward_model_trained_through_the_cli_exports_a_sequence_classifier_th
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(48)])
     write_jsonl(tmp_path / "held.jsonl", [pair(i) for i in range(100, 108)])
     (tmp_path / "cfg.yaml").write_text(REWARD_JOB)
-    run = launch(tmp_path / "cfg.yaml", tmp_path / "run", *(["model.lora={r: 4, alpha: 8}"] if lora else []))
+    run = train_here(tmp_path / "cfg.yaml", tmp_path / "run", *(["model.lora={r: 4, alpha: 8}"] if lora else []))
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracy", "val_rewards/accuracy"} <= records[-1].keys()
     assert records[-1]["rewards/accuracy"] > 0.5 and records[-1]["loss"] < records[0]["loss"]
 
     final, out = tmp_path / "run" / "checkpoints" / "final", tmp_path / "exported"
-    exported = subprocess.run(
-        [TUNEFORGE, "export", str(final), "--out", str(out), "--merge"], capture_output=True, text=True
-    )
+    exported = tuneforge_here("export", str(final), "--out", str(out), "--merge")
     assert exported.returncode == 0, exported.stderr
     assert "reward model (" in exported.stdout
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -144,7 +141,7 @@ def test_a_reward_model_trained_through_the_cli_exports_a_sequence_classifier_th
     objective = build_objective(single_engine(model), "fp32", objective="reward", preference=PreferenceConfig())
     ours = objective.scores(collate(data, [list(range(6))], tokenizer.pad_token_id, True)).tolist()
     assert ours == pytest.approx(expected, abs=1e-5)
-    chat = subprocess.run([TUNEFORGE, "chat", str(final), "--prompt", "hi"], capture_output=True, text=True)
+    chat = tuneforge_here("chat", str(final), "--prompt", "hi")
     assert chat.returncode == 2 and "a reward model (train.objective: reward) scores conversations" in chat.stderr
 
 
