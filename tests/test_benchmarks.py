@@ -3,6 +3,7 @@ on the CPU (the figures it prints here mean nothing and are not read)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ def test_the_gpu_benchmark_compares_both_contenders_and_the_doctor_on_tiny_shape
     assert rows == ["tuneforge", "transformers"]  # the row that matters first
     assert "padded, 1 micro-batch of 16" in out and "rows of 2048" in out
     assert "tuneforge / transformers: trained tokens/s" in out
-    assert "doctor's estimate on H200 141GB for 3 rows of 2048 per step" in out
+    assert re.search(r"doctor's estimate on H200 141GB for \d+ rows of 2048 per step", out), out
 
 
 @pytest.mark.slow

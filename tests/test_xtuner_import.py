@@ -499,6 +499,8 @@ def test_the_original_job_runs_to_the_end_at_cpu_scale(original_job, variant, ex
         f"model.path={original_job / 'model'}", f"data.train_files=[{original_job / 'train.jsonl'}]",
         "data.max_length=512", "train.max_steps=5", "train.lr=5e-3", "checkpoint.every_steps=1",
         "eval.sample_every_steps=2", "eval.sample_max_new_tokens=8", *extra,
+        # The report's accumulation of 16 micro-batches made each step here take 4-8 s: 4 run the same code.
+        "train.gradient_accumulation=4",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
