@@ -210,6 +210,7 @@ def test_autoep_layers_compute_and_are_written_back_as_the_models_own(tmp_path, 
     import torch.distributed as dist
     from deepspeed.utils import groups
 
+    from tuneforge.engines.deepspeed import skip_inference_only_kernels
     from tuneforge.engines.expert_parallel import (
         PRESETS,
         autoep_section,
@@ -217,6 +218,7 @@ def test_autoep_layers_compute_and_are_written_back_as_the_models_own(tmp_path, 
         without_router_logit_recorders,
     )
 
+    skip_inference_only_kernels()  # as the engine does before DeepSpeed starts
     monkeypatch.setenv("LOCAL_RANK", "0")  # what the launcher sets, and DeepSpeed asserts
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
