@@ -106,12 +106,11 @@ def state_rows(
     if not s.quantized and not s.frozen:
         rows.pop(0)  # full fine-tuning: no frozen base
     copy_quantized, copy_other = frozen_copy(cfg, s)
-    if copy_quantized or copy_other:  # loaded in the model's dtype (DeepSpeed casts it like the policy)
-        copy_bytes = 2 if deepspeed_cast else model_bytes
+    if copy_quantized or copy_other:  # prepared and cast exactly as the policy's frozen base is
         rows.append(
             place(
                 f"reference model: frozen copy, {count_label(copy_quantized + copy_other)} values",
-                copy_quantized * kbit + copy_other * copy_bytes,
+                copy_quantized * kbit + copy_other * frozen_bytes,
                 3,
                 offload_weights,
             )
