@@ -368,3 +368,14 @@ def test_a_bf16_run_is_not_resumed_under_auto_on_a_gpu_that_only_emulates_it():
     older = resumed_precision("auto", "fp32", "why", None, True, False, "ck")
     assert older == ("fp32", "why; the checkpoint does not record the interrupted run's precision")
     assert resumed_precision("auto", "bf16", "why", "bf16", True, True, "ck") == ("bf16", "why")
+
+
+@pytest.mark.parametrize(("trained_in", "now"), [("bf16", "fp16"), ("fp16", "fp32")])
+def test_a_resume_into_or_out_of_fp16_set_by_hand_is_refused_before_the_model_loads(trained_in, now):
+    """fp16's loss scale is part of the training state only in fp16: no older checkpoint of the run would do."""
+    from tuneforge.errors import UserError
+    from tuneforge.model.precision import resumed_precision
+
+    with pytest.raises(UserError, match=f"resume with train.precision={trained_in}$"):
+        resumed_precision(now, now, "", trained_in, on_gpu=True, native_bf16=True, checkpoint="ck")
+    assert resumed_precision("fp32", "fp32", "", "bf16", True, True, "ck")[0] == "fp32"  # other switches are kept

@@ -51,6 +51,12 @@ def resumed_precision(
     if trained_in == chosen:
         return chosen, why
     if requested != "auto":
+        if "fp16" in (trained_in, chosen):
+            raise UserError(
+                f"--resume {checkpoint}: the interrupted run computed in {trained_in}, this one sets "
+                f"train.precision={chosen}; fp16 keeps a loss scale in the training state that the other precisions "
+                f"neither write nor read, so the state cannot carry over: resume with train.precision={trained_in}"
+            )
         return chosen, f"set by hand; the interrupted run computed in {trained_in}"
     kept = f"the interrupted run computed in {trained_in}; on this machine alone auto would pick {chosen}"
     if trained_in != "bf16" or native_bf16:
