@@ -191,5 +191,5 @@ def test_a_frozen_reference_model_under_expert_parallelism_is_refused_with_the_a
     text = BASE + "  objective: dpo\npreference: {reference: model}\nparallel: {engine: deepspeed, zero_stage: 2}\n"
     message = error_of(write(tmp_path, text), ["parallel.expert_parallel=2"])
     assert "preference.reference: model is not built under parallel.expert_parallel" in message
-    assert "use preference.reference: precompute, or adapters with LoRA" in message
+    assert "use preference.reference: precompute (expert parallelism trains every weight" in message
     load_config(write(tmp_path, text), [])  # without expert parallelism it is a valid config

@@ -358,7 +358,8 @@ class Config(Section):
         if self.train.objective == "dpo" and self.preference.reference == "model" and self.parallel.expert_parallel > 1:
             raise ValueError(
                 "preference.reference: model is not built under parallel.expert_parallel (a second AutoEP model); "
-                "use preference.reference: precompute, or adapters with LoRA"
+                "use preference.reference: precompute (expert parallelism trains every weight, so adapters, "
+                "and a reference made by disabling them, are not available there)"
             )
         if self.train.objective == "reward" and (self.eval.sample_prompts or self.eval.exact_match is not None):
             raise ValueError(
