@@ -312,3 +312,33 @@ def test_a_distributed_checkpoint_value_that_would_run_code_is_refused_by_the_fs
     with pytest.raises(UserError, match=r"a value of the FSDP checkpoint \(settings.lr\) holds more than data"):
         load_data_only(state, tmp_path / "bad")
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.slow
+def test_exporting_an_adapter_never_runs_the_tokenizer_code_it_names(tmp_path, tokenizer):
+    """An adapter handed over with a tokenizer_config.json whose only tokenizer class is an auto_map entry naming a
+    Python file beside it: transformers asked the user whether to run it, and a "y" ran it. Export refuses the
+    tokenizer instead, with one message, and nothing runs whatever the user types."""
+    from peft import LoraConfig, get_peft_model
+
+    from conftest import tiny_llama
+
+    marker = tmp_path / "ran"
+    base = tiny_llama(tokenizer)
+    base.save_pretrained(tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)
+    (adapter / "tokenization_evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    settings = json.loads((adapter / "tokenizer_config.json").read_text())
+    settings.pop("tokenizer_class", None)
+    settings["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", "tokenization_evil.EvilTokenizer"]}
+    (adapter / "tokenizer_config.json").write_text(json.dumps(settings))
+    meta = {"template": "chatml", "system": None, "adapter": {"dtype": "fp32"}}
+    (adapter / "tuneforge.json").write_text(json.dumps(meta))
+
+    command = [TUNEFORGE, "export", str(adapter), "--out", str(tmp_path / "out"), "--base", str(tmp_path / "base")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, input="y\n")
+    assert not marker.exists()
+    assert result.returncode == 2 and f"{adapter}: the tokenizer cannot be loaded" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

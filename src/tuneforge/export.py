@@ -25,6 +25,7 @@ from tuneforge.trained import (
     check_checkpoint,
     is_adapter,
     load_trained,
+    loading,
 )
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -117,7 +118,9 @@ def _export_adapter(
     if dtype_name:
         weights = {name: tensor.to(EXPORT_DTYPES[dtype_name]) for name, tensor in weights.items()}
     save_file(weights, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    # An adapter's tokenizer files are the checkpoint's: code they name never runs (transformers would ask).
+    with loading("tokenizer", checkpoint):
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
     note = attach_chat_template(tokenizer, meta)
     tokenizer.save_pretrained(tmp)
     (tmp / CHAT_META).write_text(json.dumps(meta, indent=2))
