@@ -104,6 +104,20 @@ def test_loss_false_reply_is_context_only_and_string_flags_work(tokenizer):
     assert trained_text(tokenizer, tokenized(tokenizer, [record]))[1] == "second</s>"
 
 
+def test_a_null_loss_flag_is_an_absent_one(tokenizer):
+    """Parquet files and saved datasets give every message a `loss` field when some messages have one: null in the
+    others. Those messages train as if the field were absent; the record is not dropped."""
+    record = {
+        "messages": [
+            {"role": "user", "content": "a", "loss": None},
+            {"role": "assistant", "content": "first", "loss": False},
+            {"role": "user", "content": "b", "loss": None},
+            {"role": "assistant", "content": "second", "loss": None},
+        ]
+    }
+    assert trained_text(tokenizer, tokenized(tokenizer, [record]))[1] == "second</s>"
+
+
 def test_default_system_applies_only_without_one(tokenizer):
     template = get_template(TemplateConfig(system="S:{system}|", instruction="U:{input}|"))
     plain = Conversation((Turn("q", "a"),), "m")

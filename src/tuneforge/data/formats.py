@@ -101,7 +101,9 @@ def message_triples(messages: list, key: str) -> list[tuple[str, str, bool]]:
         if role not in ("system", "user", "assistant"):
             raise SampleError("unknown role", f"{where} has role {role!r} (expected system, user or assistant)")
         content = _text(message.get("content"), where)
-        train = _loss_flag(message["loss"], where) if role == "assistant" and "loss" in message else True
+        # A null flag is an absent one: Arrow (parquet, saved datasets) writes one into every message of a column
+        # that only some messages set.
+        train = _loss_flag(message["loss"], where) if role == "assistant" and message.get("loss") is not None else True
         triples.append((role, content, train))
     return triples
 
@@ -127,7 +129,7 @@ def from_sharegpt(record: dict) -> tuple[Turn, ...]:
         role = SHAREGPT_ROLES.get(str(message.get("from", "")).lower())
         if role is None:
             raise SampleError("unknown role", f"{where} is from {message.get('from')!r}")
-        train = _loss_flag(message["loss"], where) if role == "assistant" and "loss" in message else True
+        train = _loss_flag(message["loss"], where) if role == "assistant" and message.get("loss") is not None else True
         triples.append((role, _text(message.get("value"), where), train))
     return _turns_from_messages(triples)
 
