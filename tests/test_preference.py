@@ -109,6 +109,15 @@ def test_pairs_read_in_every_form_and_bad_rows_are_counted_by_reason(tmp_path, t
     assert chosen.turns[-1].user == "hi"  # the shared first message is the prompt
 
 
+def test_an_answers_origin_is_found_when_the_files_path_holds_a_marker_too():
+    from tuneforge.data.pairs import answer_origin
+
+    where = "/d/prefs (rejected)/x.jsonl:3 (chosen): turn 2"
+    assert answer_origin(where) == "/d/prefs (rejected)/x.jsonl:3 (chosen)"
+    assert answer_origin("x.jsonl:4 (rejected)") == "x.jsonl:4 (rejected)"
+    assert answer_origin("x.jsonl:5") == "x.jsonl:5"
+
+
 def test_only_the_answer_trains_and_a_pair_with_a_dropped_answer_is_dropped_once(tmp_path, tokenizer):
     history = {
         "prompt": [

@@ -23,11 +23,9 @@ CHOSEN, REJECTED = "chosen", "rejected"
 
 def answer_origin(where: str) -> str:
     """The origin of one answer of a pair (`file:line (chosen)`) at the start of a drop's `where` text."""
-    for side in (CHOSEN, REJECTED):
-        marker = f" ({side})"
-        if marker in where:
-            return where[: where.index(marker) + len(marker)]
-    return where
+    # The last marker: a directory of the file's path may hold one too (`prefs (chosen)/x.jsonl`).
+    ends = [where.rfind(f" ({side})") + len(f" ({side})") for side in (CHOSEN, REJECTED) if f" ({side})" in where]
+    return where[: max(ends)] if ends else where
 
 
 def is_pair_record(record: Any) -> bool:
