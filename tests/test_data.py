@@ -164,6 +164,24 @@ def test_tokenizer_template_that_rewrites_history_is_refused():
         tokenized(tokenizer, [chat("Hi", "Hello")], template="tokenizer")
 
 
+def test_the_tokenizers_template_with_a_python_tokenizer_is_refused_with_the_fix():
+    from transformers import ByT5Tokenizer  # a tokenizer written in Python: no character offsets
+
+    slow = ByT5Tokenizer()
+    slow.chat_template = CHATML_JINJA
+    with pytest.raises(UserError, match=r"ByT5Tokenizer is not a fast tokenizer, .*pick a built-in template"):
+        tokenized(slow, [chat("Hi", "Hello")], template="tokenizer")
+
+
+def test_negative_seeds_are_refused_with_the_config_error(tmp_path):
+    from tuneforge.config.load import load_config
+
+    (tmp_path / "cfg.yaml").write_text("model: {architecture: llama}\ndata: {train_files: [x.jsonl]}\n")
+    for override in ("train.seed=-1", "data.split_seed=-3"):
+        with pytest.raises(UserError, match="greater than or equal to 0"):
+            load_config(tmp_path / "cfg.yaml", [override])
+
+
 def test_sharegpt_and_alpaca_convert_to_the_same_turns():
     sharegpt = {"system": "S", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
     alpaca = {"instruction": "q", "input": "", "output": "a", "system": "S"}

@@ -81,7 +81,7 @@ class DataConfig(Section):
     validation_fraction: float = Field(0.0, ge=0, lt=1)
     """Hold out this fraction of the training samples for validation instead (chosen with `split_seed`)."""
 
-    split_seed: int = 0
+    split_seed: int = Field(0, ge=0)
     """Seed of the held-out selection; independent of `train.seed` so the split stays put across runs."""
 
     template: str | TemplateConfig = "deepseek_coder"

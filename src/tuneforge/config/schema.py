@@ -117,7 +117,7 @@ class TrainConfig(Section):
     and experts stay eager). Costs a compile at start (about half a minute on CPU), needs a C++ compiler on
     CPU or triton on GPUs, and works with parallel.engine single or ddp."""
 
-    seed: int = 42
+    seed: int = Field(42, ge=0)
     """Seed for model init, shuffling and dropout: the same seed gives the same run on CPU."""
 
     @model_validator(mode="after")

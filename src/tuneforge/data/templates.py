@@ -167,6 +167,11 @@ class TokenizerTemplate:
     def encode(self, conversations, tokenizer, default_system):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("data.template=tokenizer: the tokenizer has no chat_template; pick a built-in template")
+        if not getattr(tokenizer, "is_fast", False):  # a Python tokenizer cannot say where each token starts
+            raise UserError(
+                f"data.template=tokenizer: {type(tokenizer).__name__} is not a fast tokenizer, which the loss mask "
+                "needs (the character offsets of its tokens); pick a built-in template"
+            )
         rendered = [self._spans(c, tokenizer, default_system) for c in conversations]
         batch = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
         results = []
