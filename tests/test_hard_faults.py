@@ -175,17 +175,19 @@ def test_a_checkpoint_directory_unwritable_on_one_rank_stops_both_with_one_messa
 
 
 @pytest.mark.slow
-def test_a_full_disk_on_one_rank_inside_deepspeeds_own_save_stops_both_with_one_message(tmp_path):
-    """Rank 1's writes inside DeepSpeed's save_checkpoint fail (ZeRO-3 with offload: each rank writes its own
-    partition), rank 0's succeed. DeepSpeed's own barriers still pair up, so the vote after the save stops both
-    ranks with the no-space message instead of leaving rank 0 waiting in a barrier until the stall timeout."""
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_full_disk_on_one_rank_inside_deepspeeds_own_save_stops_both_with_one_message(tmp_path, rank):
+    """One rank's writes inside DeepSpeed's save_checkpoint fail (ZeRO-3 with offload: each rank writes its own
+    partition), the other's succeed. DeepSpeed's own barriers still pair up, so the vote after the save stops both
+    ranks with the no-space message instead of leaving one waiting in a barrier until the stall timeout. Rank 0
+    also copies DeepSpeed's recovery scripts, outside its checkpoint engine: that error is held too."""
     write_job(tmp_path)
     result = launch(
         tmp_path / "cfg.yaml",
         tmp_path / "run",
         *ENGINES["zero3_offload"],
         ranks=2,
-        fault="disk_full_in_engine_save:1:4",
+        fault=f"disk_full_in_engine_save:{rank}:4",
     )
     checkpoints = tmp_path / "run" / "checkpoints"
     assert_stopped_with_one_message(result, f"checkpoint {checkpoints / 'step-4'} not written: no space")

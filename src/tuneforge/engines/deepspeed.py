@@ -307,10 +307,15 @@ class DeepSpeedEngine(Engine):
         # of the gathers and barriers DeepSpeed runs between its writes, and the others waiting in them.
         writer = HeldWriteErrors(self._engine.checkpoint_engine)
         self._engine.checkpoint_engine = writer
+        # Rank 0 also copies DeepSpeed's recovery scripts (zero_to_fp32.py) beside its files, with a plain file
+        # copy outside the checkpoint engine: held the same way for this save (an instance attribute over the
+        # method, removed after).
+        self._engine._copy_recovery_script = writer.held(self._engine._copy_recovery_script)
         try:
             self._engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
         finally:
             self._engine.checkpoint_engine = writer.inner
+            del self._engine._copy_recovery_script
         writer.raise_first()
 
     def load_state(self, directory: Path) -> None:
@@ -372,13 +377,25 @@ class HeldWriteErrors:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def held(self, write: Callable[..., None]) -> Callable[..., None]:
+        """`write` with its error held: skipped once the disk has failed this rank (later files would fail the
+        same way), its own error kept for the caller's vote with the other ranks' faults."""
+
+        def holding(*args: Any, **kwargs: Any) -> None:
+            if self.errors:
+                return
+            try:
+                write(*args, **kwargs)
+            except Exception as exc:
+                self.errors.append(exc)
+
+        return holding
+
     def save(self, state_dict: Any, path: str) -> None:
-        if self.errors:  # the disk already failed this rank: later files would fail the same way
-            return
-        try:
-            self.inner.save(state_dict, path)
-        except Exception as exc:  # judged by the caller's vote, with the other ranks' faults
-            self.errors.append(exc)
+        self.held(self.inner.save)(state_dict, path)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        self.held(self.inner.makedirs)(path, exist_ok=exist_ok)
 
     def raise_first(self) -> None:
         if self.errors:

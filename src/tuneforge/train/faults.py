@@ -19,7 +19,8 @@ diagnosis can be checked end to end through the real launcher:
 - `slow_stop_save`: the checkpoint saved after the ranks agreed to stop on a signal takes `seconds` longer on
   that rank (step ignored);
 - `disk_full_in_engine_save`: on that rank alone, the engine's own writes of that step's checkpoint fail as on
-  a full disk (every `torch.save` raises ENOSPC), while the other ranks' succeed;
+  a full disk (every `torch.save` and DeepSpeed's copy of its recovery scripts raise ENOSPC), while the other
+  ranks' succeed;
 - `unwritable_in_save`: writing that step's checkpoint fails as in a directory made read-only (EACCES);
 - `nan_loss`: the rank's loss of that step is NaN (a bad sample, an overflow).
 
@@ -184,15 +185,22 @@ class FaultyEngine:
 
 @contextlib.contextmanager
 def torch_save_fails(code: int) -> Iterator[None]:
-    """Every `torch.save` inside raises OSError(code) after writing nothing: a disk failing under an engine's own
-    writer, where no wrapper of tuneforge's stands between."""
-    real = torch.save
+    """Every `torch.save` inside, and the file copies DeepSpeed's engine makes (its recovery scripts), raise
+    OSError(code) after writing nothing: a disk failing under an engine's own writer, where no wrapper of
+    tuneforge's stands between."""
+    import sys
 
-    def failing(obj: object, f: object, *args: object, **kwargs: object) -> None:
-        raise OSError(code, os.strerror(code), str(f))
+    def failing(first: object, second: object, *args: object, **kwargs: object) -> None:
+        raise OSError(code, os.strerror(code), str(second))
 
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    real_save, real_copy = torch.save, getattr(engine, "copyfile", None)
     torch.save = failing
+    if engine is not None:
+        engine.copyfile = failing
     try:
         yield
     finally:
-        torch.save = real
+        torch.save = real_save
+        if engine is not None:
+            engine.copyfile = real_copy
