@@ -65,6 +65,26 @@ def test_resume_passes_over_a_truncated_checkpoint_and_refuses_one_that_cannot_b
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("damage", ["same size", "missing"])
+def test_resume_auto_passes_over_a_checkpoint_whose_state_record_is_unreadable(
+    tmp_path, two_checkpoints, capsys, damage
+):
+    """The newest checkpoint's state.json overwritten with bytes of its own size (which the manifest's sizes do not
+    catch), or gone: `--resume auto` passes over it with a line, as over any damaged one, and takes the older."""
+    record = two_checkpoints / "step-4" / "training_state" / "state.json"
+    if damage == "missing":
+        (two_checkpoints / "step-4" / "manifest.json").unlink()  # as in a checkpoint written before manifests
+        record.unlink()
+    else:
+        record.write_bytes(b"x" * record.stat().st_size)
+    capsys.readouterr()
+    train(tmp_path, "train.max_steps=5", resume="auto")
+    out = capsys.readouterr().out
+    assert f"resume: passing over {two_checkpoints / 'step-4'}: " in out
+    assert f"resumed from {two_checkpoints / 'step-2'}: step 2 of 5" in out
+
+
+@pytest.mark.slow
 def test_when_every_checkpoint_is_damaged_resume_auto_refuses_instead_of_starting_over(tmp_path, two_checkpoints):
     for name in ("step-2", "step-4"):
         (two_checkpoints / name / "model.safetensors").unlink()

@@ -203,14 +203,20 @@ def find_resume(
             raise UserError(f"--resume {path}: damaged since it was written: {'; '.join(problems)}")
         return path
     for _, path in reversed(step_checkpoints(work_dir / "checkpoints")):
-        if (path / TRAINING_STATE / STATE_FILE).exists():
-            written_by = read_state(path).run_id
-            if run_id is None or written_by is None or written_by == run_id:
-                if problems := checkpoint_problems(path):
-                    if notes is not None:
-                        notes.append(f"resume: passing over {path}: {'; '.join(problems)}")
-                    continue
-                return path
+        # Damaged ones are passed over whichever run wrote them: the record of the run may be what is damaged.
+        problems = checkpoint_problems(path)
+        written_by = None
+        if not problems:
+            try:
+                written_by = read_state(path).run_id
+            except UserError as exc:
+                problems = [str(exc).removeprefix(f"--resume {path}: ").removesuffix("; take another checkpoint")]
+        if problems:
+            if notes is not None:
+                notes.append(f"resume: passing over {path}: {'; '.join(problems)}")
+            continue
+        if run_id is None or written_by is None or written_by == run_id:
+            return path
     return None
 
 
