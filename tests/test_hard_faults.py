@@ -240,6 +240,27 @@ def test_a_resume_drops_a_metrics_line_cut_off_by_a_crash(tmp_path):
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
+def test_a_full_disk_while_a_resume_cuts_the_log_back_leaves_the_whole_log(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from tuneforge.train.resume import truncate_log
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+
+    def no_space(self, *args, **kwargs):  # as on a full disk: the file opened (emptied), nothing written
+        self.open("w").close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", no_space)
+    with pytest.raises(OSError):
+        truncate_log(path, 1)
+    monkeypatch.undo()
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
 def test_write_faults_are_read_from_the_errors_writers_wrap_them_in(tmp_path):
     import errno
 

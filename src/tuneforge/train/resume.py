@@ -5,6 +5,7 @@ logs cut back to its step."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,7 +72,13 @@ def truncate_log(path: Path, step: int) -> int:
             dropped += bool(line.strip())
         elif record.get("step", 0) <= step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    # Written beside it and renamed over it: a kill or a full disk now leaves the whole log, never an empty one.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return dropped
 
 
