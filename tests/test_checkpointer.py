@@ -70,3 +70,49 @@ def test_the_stop_checkpoint_is_skipped_when_it_would_not_fit_the_grace_time(che
     assert checkpointer.save_before_stop(point(2), grace_left_s=25) is None
     assert "no checkpoint at step 2: the last one took 40s and 25s of watchdog.stop_grace_s" in checkpointer.lines[-1]
     assert not (tmp_path / "checkpoints" / "step-2").exists()
+
+
+def test_a_runs_start_clears_what_a_run_killed_while_saving_left(tmp_path):
+    """A half-written `.tmp-step-37` (a stop's save killed: the resumed run never saves step 37 again) is
+    removed; `.old-final`, where the kill came between a replacement's two renames, is put back as `final`; an
+    `.old-best` whose `best` was committed is removed."""
+    from tuneforge.train.checkpoint import tidy_checkpoints
+
+    checkpoints = tmp_path / "checkpoints"
+    for name in (".tmp-step-37", ".old-final", ".old-best", "best", "step-30"):
+        (checkpoints / name).mkdir(parents=True)
+        (checkpoints / name / "model.safetensors").write_text(name)
+    lines = tidy_checkpoints(checkpoints)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best", "final", "step-30"]
+    assert (checkpoints / "final" / "model.safetensors").read_text() == ".old-final"
+    assert (checkpoints / "best" / "model.safetensors").read_text() == "best"
+    assert lines == [
+        f"checkpoints: removed {checkpoints / '.old-best'}, the copy {checkpoints / 'best'} replaced",
+        f"checkpoints: {checkpoints / 'final'} put back from {checkpoints / '.old-final'}: a run stopped while "
+        "replacing it",
+        f"checkpoints: removed {checkpoints / '.tmp-step-37'}, half-written when an earlier run stopped",
+    ]
+    assert tidy_checkpoints(checkpoints) == [] and tidy_checkpoints(tmp_path / "none") == []
+
+
+def test_a_replaced_checkpoints_old_copy_that_cannot_be_removed_does_not_fail_the_save(tmp_path, monkeypatch):
+    import shutil
+
+    from tuneforge.train.checkpoint import commit_checkpoint
+
+    final, tmp = tmp_path / "final", tmp_path / ".tmp-final"
+    for directory, text in ((final, "old"), (tmp, "new")):
+        directory.mkdir()
+        (directory / "model.safetensors").write_text(text)
+    real = shutil.rmtree
+
+    def held_open(path, ignore_errors=False, **kwargs):  # NFS keeps a file another process holds open
+        if str(path).endswith(".old-final"):
+            if not ignore_errors:
+                raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+            return
+        real(path, ignore_errors=ignore_errors, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", held_open)
+    assert commit_checkpoint(tmp, final) == final
+    assert (final / "model.safetensors").read_text() == "new" and (tmp_path / ".old-final").exists()

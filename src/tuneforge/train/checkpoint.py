@@ -102,7 +102,9 @@ def commit_checkpoint(tmp: Path, directory: Path) -> Path:
         shutil.rmtree(old, ignore_errors=True)
         directory.rename(old)
         tmp.rename(directory)
-        shutil.rmtree(old)
+        # The new copy is in place: an old one that cannot be removed now (a file held open on NFS) is left for
+        # the next run's start (`tidy_checkpoints`), not reported as a failed save.
+        shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(directory)
     return directory
@@ -163,6 +165,31 @@ def step_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in checkpoints_dir.iterdir() if (m := _STEP_DIR.match(p.name))]
     return sorted(found)
+
+
+def tidy_checkpoints(checkpoints_dir: Path) -> list[str]:
+    """What a run killed while saving left behind, cleared before this run resolves its resume point: a
+    half-written `.tmp-NAME` is removed (a resumed run may never save NAME again), and a `.old-NAME`, the copy a
+    replacement was about to remove, is put back where the kill came between its two renames, else removed.
+    Returns a line for each."""
+    lines: list[str] = []
+    if not checkpoints_dir.is_dir():
+        return lines
+    for path in sorted(checkpoints_dir.iterdir()):
+        if not path.is_dir():
+            continue
+        if path.name.startswith(".tmp-"):
+            shutil.rmtree(path, ignore_errors=True)
+            lines.append(f"checkpoints: removed {path}, half-written when an earlier run stopped")
+        elif path.name.startswith(".old-"):
+            kept = path.with_name(path.name.removeprefix(".old-"))
+            if kept.exists():
+                shutil.rmtree(path, ignore_errors=True)
+                lines.append(f"checkpoints: removed {path}, the copy {kept} replaced")
+            else:
+                path.rename(kept)
+                lines.append(f"checkpoints: {kept} put back from {path}: a run stopped while replacing it")
+    return lines
 
 
 def prune_checkpoints(checkpoints_dir: Path, keep_last: int | None) -> list[Path]:

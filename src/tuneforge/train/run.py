@@ -43,6 +43,7 @@ from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.precision import with_precision
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
+from tuneforge.train.checkpoint import tidy_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.faults import FaultInjector, injected_fault
 from tuneforge.train.inputs import check_inputs, checkpoint_bytes, disk_room_problems
@@ -103,6 +104,11 @@ def _locked_run(
     say: Say,
     lock_note: str,
 ) -> dict:
+    # Leftovers of a run killed while saving, cleared by the rank holding the work dir's lock before any rank
+    # looks for its resume point.
+    for line in tidy_checkpoints(work_dir / "checkpoints") if info.is_main else []:
+        say(line)
+    barrier(info)
     # Everything that can refuse the run is checked before this run writes a file.
     resume_dir = checked_resume(cfg, work_dir, resume, info, engine_name, say)
     requested = cfg.train.precision
