@@ -12,6 +12,7 @@ import pytest
 from tuneforge.config import load_config
 from tuneforge.errors import UserError
 from tuneforge.train.run import run_training
+from tuneforge.train.state import read_state
 
 from conftest import TINY_LLAMA, chat, write_jsonl
 
@@ -82,6 +83,24 @@ def test_resume_auto_passes_over_a_checkpoint_whose_state_record_is_unreadable(
     out = capsys.readouterr().out
     assert f"resume: passing over {two_checkpoints / 'step-4'}: " in out
     assert f"resumed from {two_checkpoints / 'step-2'}: step 2 of 5" in out
+
+
+@pytest.mark.slow
+def test_a_resume_from_an_older_checkpoint_sets_the_newer_ones_aside_so_keep_last_keeps_its_own(
+    tmp_path, two_checkpoints, capsys
+):
+    """Resumed from step 2 while step-4 exists (step 3 onwards went wrong), keeping 1 checkpoint saved every 3
+    steps: the old step-4 is moved to checkpoints/abandoned, so pruning keeps this run's newest checkpoint
+    instead of deleting it for the abandoned one, and `--resume auto` can never go back to that one."""
+    capsys.readouterr()
+    overrides = ("train.max_steps=5", "checkpoint.every_steps=3", "checkpoint.keep_last=1")
+    train(tmp_path, *overrides, resume=str(two_checkpoints / "step-2"))
+    out = capsys.readouterr().out
+    abandoned = two_checkpoints / "abandoned" / "step-4"
+    assert f"resume: {two_checkpoints / 'step-4'} is newer than step 2, which this run goes on from: moved to " in out
+    assert abandoned.is_dir() and read_state(abandoned).step == 4
+    steps = sorted(p.name for p in two_checkpoints.iterdir() if p.name.startswith("step-"))
+    assert steps in (["step-3"], ["step-5"]), steps
 
 
 @pytest.mark.slow

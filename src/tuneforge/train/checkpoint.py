@@ -167,6 +167,32 @@ def step_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+ABANDONED = "abandoned"
+"""Under `checkpoints/`: step checkpoints newer than the one a run resumed from (see `set_aside_newer`)."""
+
+
+def set_aside_newer(checkpoints_dir: Path, step: int) -> list[str]:
+    """Step checkpoints newer than `step`, the one this run resumes from, belong to the continuation the resumed
+    run replaces (its logs are cut back to `step` too). Left in place, keep-last pruning, which keeps the highest
+    steps, would delete the resumed run's new checkpoints before them, and `--resume auto` would go back to them.
+    Moved to `checkpoints/abandoned/`, never deleted; a line for each."""
+    lines = []
+    for _, path in step_checkpoints(checkpoints_dir):
+        if int(path.name.removeprefix("step-")) <= step:
+            continue
+        target, copies = checkpoints_dir / ABANDONED / path.name, 0
+        while target.exists():
+            copies += 1
+            target = checkpoints_dir / ABANDONED / f"{path.name}.{copies}"
+        target.parent.mkdir(exist_ok=True)
+        path.rename(target)
+        lines.append(
+            f"resume: {path} is newer than step {step}, which this run goes on from: moved to {target} (delete it "
+            "when it is no longer needed)"
+        )
+    return lines
+
+
 def tidy_checkpoints(checkpoints_dir: Path) -> list[str]:
     """What a run killed while saving left behind, cleared before this run resolves its resume point: a
     half-written `.tmp-NAME` is removed (a resumed run may never save NAME again), and a `.old-NAME`, the copy a

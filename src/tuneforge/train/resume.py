@@ -17,7 +17,7 @@ from tuneforge.engines import Engine
 from tuneforge.errors import UserError, first_line
 from tuneforge.model.precision import choose_precision, native_cpu_half_precision, resumed_precision
 from tuneforge.model.quantized_experts import quantized_experts_count
-from tuneforge.train.checkpoint import step_checkpoints
+from tuneforge.train.checkpoint import set_aside_newer, step_checkpoints
 from tuneforge.train.loop import Trainer
 from tuneforge.train.state import (
     TRAINING_STATE,
@@ -52,6 +52,8 @@ def resume_from(
         for log in ("metrics.jsonl", "samples.jsonl"):
             if dropped := truncate_log(work_dir / log, point.step):
                 print(f"resume: {dropped} unreadable line(s) of {work_dir / log} dropped (cut off by a crash)")
+        for line in set_aside_newer(work_dir / "checkpoints", point.step):
+            print(line)
     barrier(info)
     load_rng(checkpoint / TRAINING_STATE, info.rank)  # last: building the model and engine drew random numbers
     return point
