@@ -113,6 +113,20 @@ def test_a_stop_signal_ends_the_step_saves_it_and_says_how_to_resume(job, uninte
 
 
 @pytest.mark.slow
+def test_resume_refuses_another_order_of_the_data_before_the_model_loads(job):
+    """The step a checkpoint records is a position in its data plan: another seed or packing would skip some
+    samples and repeat others, so the resume is refused naming both plans."""
+    (job / "cfg.yaml").write_text(CONFIG)
+    assert train_here(job / "cfg.yaml", job / "run", "train.max_steps=2").returncode == 0
+    for change, now in (("train.seed=7", "train.seed=7, grouped batches"),
+                        ("data.packing=true", "train.seed=42, packed rows of 2048 tokens")):  # fmt: skip
+        other = train_here(job / "cfg.yaml", job / "run", change, "--resume", "auto")
+        assert other.returncode == 2
+        assert f"written with train.seed=42, grouped batches; this run has {now}" in other.stderr, other.stderr
+        assert "model: LlamaForCausalLM" not in other.stdout
+
+
+@pytest.mark.slow
 def test_resume_refuses_another_world_size(job):
     (job / "cfg.yaml").write_text(CONFIG)
     assert train_here(job / "cfg.yaml", job / "run", "train.max_steps=2").returncode == 0

@@ -14,6 +14,13 @@ def strategy(cfg: Config) -> str:
     return "grouped" if cfg.data.group_by_length else "random"
 
 
+def data_plan(cfg: Config) -> str:
+    """The settings the order of the training data follows, as a checkpoint records them: the seed, and how
+    rows are formed (with packing, up to `max_length` tokens each)."""
+    rows = f"packed rows of {cfg.data.max_length} tokens" if cfg.data.packing else f"{strategy(cfg)} batches"
+    return f"train.seed={cfg.train.seed}, {rows}"
+
+
 def make_planner(data: TokenizedData, cfg: Config, pad_id: int, layout: Layout | None = None) -> BatchPlanner:
     """This rank's batches: its data-parallel group's share of every global micro-batch, and under sequence
     parallelism its shard of each row."""

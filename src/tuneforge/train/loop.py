@@ -13,6 +13,7 @@ import torch
 
 from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
+from tuneforge.data.loader import data_plan
 from tuneforge.diagnostics.files import STOPPED
 from tuneforge.distributed import gather_objects
 from tuneforge.engines import Engine
@@ -459,6 +460,7 @@ class Trainer:
             self.data_signature,
             self.cfg.parallel.expert_parallel,
             train.precision,
+            data_plan(self.cfg),
         )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tuneforge.config.schema import Config
+from tuneforge.data.loader import data_plan
 from tuneforge.distributed import DistInfo, barrier
 from tuneforge.engines import Engine
 from tuneforge.errors import UserError, first_line
@@ -23,6 +24,7 @@ from tuneforge.train.state import (
     TRAINING_STATE,
     ResumePoint,
     check_compatible,
+    check_same_data_plan,
     check_same_expert_storage,
     check_same_quantization,
     find_resume,
@@ -129,4 +131,5 @@ def checked_resume(
             cfg.parallel.expert_parallel,
         )
         check_same_quantization(resume_dir, cfg.model.quantization)
+        check_same_data_plan(point, resume_dir, data_plan(cfg))
     return resume_dir

@@ -47,6 +47,8 @@ class ResumePoint:
     """Ranks each MoE layer's experts are split over: the engine's checkpoint files are written per expert shard."""
     precision: str | None = None
     """The precision the run computed in (`train.precision`, `auto` resolved); None: written before it was."""
+    data_plan: str | None = None
+    """The settings the data's order follows (`tuneforge.data.loader.data_plan`); None: written before it was."""
 
 
 RNG_FILE = "rng-rank-{rank}.safetensors"
@@ -148,6 +150,17 @@ def read_state(checkpoint: Path) -> ResumePoint:
         raise UserError(f"--resume {checkpoint}: {path} is not readable ({reason}); take another checkpoint") from None
 
 
+def check_same_data_plan(point: ResumePoint, checkpoint: Path, now: str) -> None:
+    """The step a checkpoint records is a position in its data plan: under another seed or way of forming rows
+    the same position holds other samples, so some would be skipped and others seen twice."""
+    if point.data_plan is not None and point.data_plan != now:
+        raise UserError(
+            f"--resume {checkpoint}: written with {point.data_plan}; this run has {now}. The data's order follows "
+            "them, so going on from its step would skip some samples and repeat others: resume with the same "
+            "settings, or begin a new run from this checkpoint's weights"
+        )
+
+
 def data_changed_note(point: ResumePoint, checkpoint: Path, now: str, steps_per_epoch: int) -> str | None:
     """What a resume does when the training data is not what the checkpoint was trained on (`now`: the
     signature of this run's split), or None when it is the same or unknown."""
@@ -181,7 +194,7 @@ def _check_types(point: ResumePoint) -> None:
     loss = point.best_val_loss
     if loss is not None and (isinstance(loss, bool) or not isinstance(loss, int | float)):
         raise ValueError(f"best_val_loss is {loss!r}, not a number")
-    for name in ("run_id", "train_data", "precision"):
+    for name in ("run_id", "train_data", "precision", "data_plan"):
         if getattr(point, name) is not None and not isinstance(getattr(point, name), str):
             raise ValueError(f"{name} is {getattr(point, name)!r}, not text")
     if point.precision not in (None, "fp32", "bf16", "fp16"):
