@@ -235,6 +235,26 @@ def test_each_rank_gets_a_contiguous_share_and_no_rank_goes_without():
     assert short == [[[0]], [[1]], [[100]], [[101]]]  # topped up by repeating rows, never dropped
 
 
+@pytest.mark.parametrize("strategy", ["grouped", "random"])
+def test_every_sample_trains_once_per_epoch_on_any_number_of_ranks(tokenizer, strategy):
+    """13 samples over 4 ranks, one row each: the last global batch has 1 row, and 3 ranks get a repeated row to
+    stay in step. Those rows train nothing (their targets masked) and count in no batch's totals, so the target
+    tokens trained in an epoch are the data's, as in one process."""
+    data = tokenized(tokenizer, [chat(f"q{i}" * (i % 5 + 1), f"a{i}") for i in range(13)])
+    planners = [
+        BatchPlanner(data, 1, 0, seed=1, strategy=strategy, max_length=1024, rank=r, world_size=4) for r in range(4)
+    ]
+    epochs = [list(planner.epoch(0)) for planner in planners]
+    trained = sum(batch.num_targets for batches in epochs for batch in batches)
+    assert trained == sum(int(data.target_counts()[i]) for i in range(len(data)))
+    for step in range(len(epochs[0])):
+        batches = [batches[step] for batches in epochs]
+        assert {b.global_targets for b in batches} == {sum(b.num_targets for b in batches)}
+    short = [step for step, batch in enumerate(epochs[0]) if batch.global_samples == 1]
+    assert len(short) == 1
+    assert [batches[short[0]].num_targets > 0 for batches in epochs] == [True, False, False, False]
+
+
 def test_planners_of_two_ranks_see_the_global_batches_of_one(tokenizer):
     # 14 samples: the last global micro-batch has 2 rows, one per rank, so nothing needs repeating.
     data = tokenized(tokenizer, [chat(f"q{i}" * (i % 5 + 1), f"a{i}") for i in range(14)])

@@ -196,6 +196,17 @@ def rows_for_rank(batch: list[list[int]], rank: int, world_size: int, filler: li
     return batch[bounds[rank] : bounds[rank + 1]]
 
 
+def mask_filler_rows(batch: MicroBatch, rank: int, world_size: int, real: int) -> None:
+    """The targets of this rank's rows that `rows_for_rank` repeated to top up a global batch of `real` rows (fewer
+    than the ranks), masked: they keep the rank in step with the others and train nothing."""
+    if real >= world_size:
+        return
+    start = int(np.linspace(0, world_size, world_size + 1).round().astype(int)[rank])
+    for local in range(batch.targets.shape[0]):
+        if start + local >= real:
+            batch.targets[local] = IGNORE_INDEX
+
+
 def padding_fraction(plan: Plan, lengths: np.ndarray) -> float:
     """Share of padding tokens when each micro-batch is padded to its longest row."""
     real = padded = 0
@@ -246,7 +257,7 @@ class BatchPlanner:
         self.target_counts = data.target_counts()
 
     def plan(self, epoch: int) -> Plan:
-        return [rows for rows, _, _ in self._shares(epoch)]
+        return [rows for rows, _, _, _ in self._shares(epoch)]
 
     def _shares(self, epoch: int) -> list[tuple[list[list[int]], int, int]]:
         """(this rank's rows, target tokens and samples of the whole global micro-batch) for every micro-batch of
@@ -258,9 +269,10 @@ class BatchPlanner:
             whole = [[self._samples_of(row) for row in batch] for batch in whole]
         shares = []
         for batch in whole:
-            every_rank = [rows_for_rank(batch, rank, self.world_size, whole[0]) for rank in range(self.world_size)]
-            samples = [i for rows in every_rank for row in rows for i in row]
-            shares.append((every_rank[self.rank], sum(int(self.target_counts[i]) for i in samples), len(samples)))
+            # Rows repeated to top up a batch with fewer rows than ranks are not counted (and train nothing).
+            samples = [i for row in batch for i in row]
+            rows = rows_for_rank(batch, self.rank, self.world_size, whole[0])
+            shares.append((rows, sum(int(self.target_counts[i]) for i in samples), len(samples), len(batch)))
         return shares
 
     def _samples_of(self, units: list[int]) -> list[int]:
@@ -274,9 +286,10 @@ class BatchPlanner:
         """This rank's micro-batches of `epoch`, from the `start`-th on."""
         packed = self.strategy == "packed" or self.group > 1  # a unit's samples share a row, isolated
         shard, size = self.sequence_shard
-        for rows, global_targets, global_samples in self._shares(epoch)[start:]:
+        for rows, global_targets, global_samples, real in self._shares(epoch)[start:]:
             batch = collate(self.data, rows, self.pad_id, packed, sequence_width_multiple(size))
             batch.global_targets, batch.global_samples = global_targets, global_samples
+            mask_filler_rows(batch, self.rank, self.world_size, real)
             yield shard_rows(batch, shard, size)
 
 

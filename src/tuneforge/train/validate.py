@@ -5,18 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tuneforge.data.batching import (
     MicroBatch,
     best_fit_decreasing,
     collate,
+    mask_filler_rows,
     plan_epoch,
+    rows_for_rank,
     sequence_width_multiple,
     shard_rows,
 )
-from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.data.tokenize import TokenizedData
 from tuneforge.distributed import Layout
 from tuneforge.engines import Engine
@@ -42,19 +42,9 @@ def validation_batches(
     plan = plan_epoch(units, micro_batch_size * world_size, "packed" if packing else "grouped", 0, 0, packed_rows)
     for batch in plan:
         batch = [[unit * group + member for unit in row for member in range(group)] for row in batch]
-        real = len(batch)
-        rows = batch + [batch[i % real] for i in range(max(0, world_size - real))]
-        bounds = np.linspace(0, len(rows), world_size + 1).round().astype(int)
-        mine = collate(
-            data,
-            rows[bounds[rank] : bounds[rank + 1]],
-            pad_id,
-            packing or group > 1,
-            sequence_width_multiple(layout.size),
-        )
-        for position in range(bounds[rank], bounds[rank + 1]):
-            if position >= real:
-                mine.targets[position - bounds[rank]] = IGNORE_INDEX
+        rows = rows_for_rank(batch, rank, world_size, filler=batch)
+        mine = collate(data, rows, pad_id, packing or group > 1, sequence_width_multiple(layout.size))
+        mask_filler_rows(mine, rank, world_size, len(batch))
         yield shard_rows(mine, layout.shard, layout.size)
 
 
