@@ -258,6 +258,8 @@ def test_xtuner_templates_are_read_from_its_installed_package_never_imported(tmp
     # The chat hook's system prompt is the sample chats' own: alpaca_map_fn's training text has none.
     assert result.config["eval"]["sample_system"] == MADE_UP_SYSTEM and "system" not in data
     assert data["format"] == "alpaca"
+    # What alpaca_map_fn does otherwise than the Alpaca reader is said, with the fix for its skipped records.
+    assert any("records whose output is <nooutput> are trained (xtuner skips them" in note for note in result.notes)
     assert data["template"] == {
         "system": "<|sys|>{system}\n",
         "instruction": "<|usr|>{input}\n<|bot|>",

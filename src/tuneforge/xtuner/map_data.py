@@ -9,6 +9,12 @@ from tuneforge.xtuner.evaluate import Call
 from tuneforge.xtuner.mapper_base import MapperBase, shown, type_name
 
 MAP_FUNCTIONS = {"openai_map_fn": "openai", "alpaca_map_fn": "alpaca"}
+ALPACA_DIFFERENCES = (
+    "dataset_map_fn alpaca_map_fn -> format alpaca, which differs from it in two ways: records whose output is "
+    "<nooutput> are trained (xtuner skips them; remove them from the data to match), and an empty input adds no "
+    "newline after the instruction (xtuner's prompt always ends with one)"
+)
+"""What xtuner 0.1.23's `alpaca_map_fn` does that tuneforge's Alpaca reader does not, said on import."""
 """xtuner dataset map functions and the tuneforge format that reads the same records."""
 PAIR_MAP_FUNCTIONS = ("orpo_dpo_mix_40k_map_fn",)
 """xtuner map functions for preference rows that tuneforge's pair reader reads as they are: `chosen` and
@@ -70,6 +76,8 @@ class DataMapping(MapperBase):
             name = type_name(map_fn)
             if name in MAP_FUNCTIONS:
                 self.put("format", MAP_FUNCTIONS[name], self.line(dataset, "dataset_map_fn"))
+                if name == "alpaca_map_fn":
+                    self.result.notes.append(ALPACA_DIFFERENCES)
             elif any(key in name for key in SHAREGPT_LIKE):
                 self.put("format", "sharegpt", self.line(dataset, "dataset_map_fn"))
             else:
