@@ -154,6 +154,8 @@ def assert_peft_loads_it_as_trained(work_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_two_nodes_simulated_on_this_machine_equal_one_node(tmp_path, one_process):
+    """Each node has its own data cache (`data.cache_dir` on a disk of its own, as the default under the home
+    directory often is): each node's first rank builds it, where the second node used to wait for rank 0's."""
     config, one = one_process("llama")
     port = str(free_port())
     nodes = [
@@ -165,6 +167,8 @@ def test_two_nodes_simulated_on_this_machine_equal_one_node(tmp_path, one_proces
                 "--work-dir",
                 str(tmp_path / "two"),
                 "train.micro_batch_size=2",
+                f"data.cache_dir={tmp_path / f'cache-node-{node}'}",
+                "data.preprocess_timeout_s=60",
                 "--nnodes",
                 "2",
                 "--node-rank",

@@ -343,7 +343,9 @@ def test_a_waiting_rank_gives_up_with_its_own_timeout(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "a.jsonl", RECORDS)
     cfg = config(tmp_path, [path], preprocess_timeout_s=0.5)
     with pytest.raises(
-        UserError, match=r"rank 1: rank 0 did not finish preprocessing .* within 0.5s \(data.preprocess_timeout_s\)"
+        UserError,
+        match=r"local rank 1: this node's local rank 0 did not finish preprocessing .* within 0.5s "
+        r"\(data.preprocess_timeout_s\)",
     ):
         prepare_split("train", cfg, cfg.train_files, tokenizer, get_template(cfg.template), 1, 2)
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 import zlib
@@ -213,7 +214,8 @@ class DamagedCache(Exception):
 def _save(split: Split, directory: Path, files: list[str]) -> None:
     """Into the cache with its data files as placeholders: a later run with the same contents elsewhere (or
     under other names) reports its own files, never ones that may be gone."""
-    tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
+    # Each node's first rank may build the same entry in a cache shared by the nodes: a name per process.
+    tmp = directory.with_name(f".tmp-{directory.name}-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         _write_entry(split, tmp, files)
@@ -264,7 +266,8 @@ def _set_aside(directory: Path, why: str) -> None:
 
 
 def _load_intact(directory: Path, files: list[str], timeout_s: float, rank: int) -> Split:
-    """Another rank's view of the cache rank 0 writes: wait while it is missing or being rebuilt."""
+    """Another rank's view of the cache its node's first rank writes: wait while it is missing or being
+    rebuilt."""
     started = time.monotonic()
     while True:
         _wait_for(directory, timeout_s, rank, started)
@@ -273,7 +276,7 @@ def _load_intact(directory: Path, files: list[str], timeout_s: float, rank: int)
         except DamagedCache:
             if time.monotonic() - started > timeout_s:
                 raise
-            time.sleep(0.5)  # rank 0 sets it aside and writes it again
+            time.sleep(0.5)  # the node's first rank sets it aside and writes it again
 
 
 def _wait_for(directory: Path, timeout_s: float, rank: int, start: float | None = None) -> None:
@@ -283,11 +286,14 @@ def _wait_for(directory: Path, timeout_s: float, rank: int, start: float | None 
         now = time.monotonic()
         if now - start > timeout_s:
             raise UserError(
-                f"rank {rank}: rank 0 did not finish preprocessing the data into {directory} within "
-                f"{timeout_s:g}s (data.preprocess_timeout_s); check rank 0's log"
+                f"local rank {rank}: this node's local rank 0 did not finish preprocessing the data into "
+                f"{directory} within {timeout_s:g}s (data.preprocess_timeout_s); check its log"
             )
         if now - last_note >= 30:
-            print(f"rank {rank}: waiting for rank 0 to preprocess the data ({now - start:.0f}s)", file=sys.stderr)
+            print(
+                f"local rank {rank}: waiting for this node's local rank 0 to preprocess the data ({now - start:.0f}s)",
+                file=sys.stderr,
+            )
             last_note = now
         time.sleep(0.5)
 
@@ -298,21 +304,25 @@ def prepare_split(
     files: list[str],
     tokenizer: PreTrainedTokenizerBase,
     template: ChatTemplate,
-    rank: int = 0,
-    world_size: int = 1,
+    local_rank: int = 0,
+    local_ranks: int = 1,
     pairs: bool = False,
 ) -> tuple[Split, bool]:
-    """The tokenized split and whether it came from the cache. With a cache and several ranks, rank 0
-    builds it while the others wait (with their own timeout, independent of the training watchdog)."""
+    """The tokenized split and whether it came from the cache. With a cache and several ranks on a node, the
+    node's local rank 0 builds it while the node's others wait (with their own timeout, independent of the
+    training watchdog): per node, since `data.cache_dir` (by default under the home directory) may be on each
+    node's own disk, where the ranks of other nodes would wait for it in vain."""
     if cfg.cache_dir is None:
         return build_split(name, cfg, files, tokenizer, template, pairs), False
     directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer, pairs)
     here = [str(Path(f)) for f in files]
-    if rank != 0 and world_size > 1:
+    if local_rank != 0 and local_ranks > 1:
         try:
-            return _load_intact(directory, here, cfg.preprocess_timeout_s, rank), True
+            return _load_intact(directory, here, cfg.preprocess_timeout_s, local_rank), True
         except DamagedCache as damaged:
-            raise UserError(f"data cache {damaged} and rank 0 did not rebuild it; check rank 0's log") from None
+            raise UserError(
+                f"data cache {damaged} and this node's local rank 0 did not rebuild it; check its log"
+            ) from None
     if directory.exists():
         try:
             return _load(directory, here), True
@@ -324,7 +334,7 @@ def prepare_split(
         _save(split, directory, files)
     except OSError as exc:  # a full disk, or a cache dir that became unwritable: the data itself is fine
         why = f"data cache: not written to {directory} ({exc.strerror or exc})"
-        if world_size > 1:  # the other ranks wait for it: say so and stop them, rather than let them time out
+        if local_ranks > 1:  # the node's other ranks wait for it: stop them, rather than let them time out
             raise UserError(f"{why}; free space there or set data.cache_dir: null") from None
         print(f"{why}; this run goes on without it")
     return split, False
@@ -356,17 +366,17 @@ def prepare_data(
     cfg: DataConfig,
     tokenizer: PreTrainedTokenizerBase,
     template: ChatTemplate,
-    rank: int = 0,
-    world_size: int = 1,
+    local_rank: int = 0,
+    local_ranks: int = 1,
     pairs: bool = False,
 ) -> PreparedData:
     """The train and validation splits; `pairs`: the files hold preference pairs (`train.objective` dpo, orpo,
     reward)."""
-    train, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template, rank, world_size, pairs)
+    train, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template, local_rank, local_ranks, pairs)
     validation = None
     if cfg.validation_files:
         validation, _ = prepare_split(
-            "validation", cfg, cfg.validation_files, tokenizer, template, rank, world_size, pairs
+            "validation", cfg, cfg.validation_files, tokenizer, template, local_rank, local_ranks, pairs
         )
     elif cfg.validation_fraction:
         train, validation = hold_out(train, cfg.validation_fraction, cfg.split_seed, 2 if pairs else 1)

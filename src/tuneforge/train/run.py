@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shlex
 import shutil
@@ -281,7 +282,8 @@ def sequence_layout(cfg: Config, info: DistInfo, tokenizer, say: Say) -> Layout:
 
 def load_data(cfg: Config, tokenizer, template, info: DistInfo, say: Say) -> PreparedData:
     """Tokenized (or cached) splits with their reports printed; no trainable sample left is an error."""
-    data = prepare_data(cfg.data, tokenizer, template, info.rank, info.world_size, cfg.paired)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))  # the ranks on this node
+    data = prepare_data(cfg.data, tokenizer, template, info.local_rank, local_ranks, cfg.paired)
     for split in (data.train, data.validation):
         if split is not None:
             split.report.padding = padding_by_strategy(split.data, cfg.train.micro_batch_size, cfg.data.max_length)
