@@ -235,6 +235,22 @@ def test_truncate_keeps_whole_leading_turns(tokenizer):
     assert trained_text(tokenizer, cut)[1] == "one</s>two</s>"
 
 
+def test_a_sample_cut_to_untrained_turns_is_dropped_for_its_length_and_not_counted_as_truncated(tokenizer):
+    """Its first reply is context only (`loss: false`), its second too long to fit: truncation keeps the first
+    turn, which trains nothing. Dropped as too long (its length is the reason), and not among the truncated."""
+    from tuneforge.data.report import DropLog
+    from tuneforge.data.tokenize import NO_TARGET, TOO_LONG, tokenize
+
+    first = chat("a", "one")["messages"]
+    first[1]["loss"] = False
+    record = {"messages": [*first, *chat("b", "two " * 200)["messages"]]}
+    conversation = to_conversation(record, detect_format(record), "mem:1")
+    drops = DropLog()
+    kept, truncated = tokenize([conversation], tokenizer, get_template("deepseek_coder"), 64, "truncate", None, drops)
+    assert kept == [] and truncated == 0
+    assert drops.counts == {TOO_LONG: 1} and NO_TARGET not in drops.counts
+
+
 def test_byte_tokenizer_round_trips_any_text(tokenizer):
     text = "Convert #0066ee to RGB. 写一个 Python 函数 ✓"
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text

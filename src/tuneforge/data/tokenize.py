@@ -125,9 +125,12 @@ def tokenize(
             if fitted is None:
                 drops.add(TOO_LONG, f"{conversation.origin} ({len(encoded.input_ids)} tokens)")
                 continue
-            truncated += fitted is not encoded
             if not has_target(fitted.labels):
-                drops.add(NO_TARGET, conversation.origin)
+                if fitted is not encoded:  # cut to its leading turns, none of which trains: dropped for its length
+                    drops.add(TOO_LONG, f"{conversation.origin} ({len(encoded.input_ids)} tokens)")
+                else:
+                    drops.add(NO_TARGET, conversation.origin)
                 continue
+            truncated += fitted is not encoded  # counted among the kept samples only
             kept.append((fitted.input_ids, fitted.labels, conversation.origin))
     return kept, truncated
