@@ -47,6 +47,9 @@ def test_the_seed_config_maps_completely():
     assert config["eval"]["sample_every_steps"] == 6 and len(config["eval"]["sample_prompts"]) == 2
     assert config["log"] == {"every_steps": 1}
     assert any("500 iterations / accumulative_counts 16 = 31.25 optimizer steps -> 31" in n for n in result.notes)
+    # What differs from xtuner's own data processing on unusual records is said.
+    assert any(n.startswith("dataset_map_fn openai_map_fn -> format openai, which differs") for n in result.notes)
+    assert any(n.startswith("max_length: xtuner cuts a longer sample at max_length tokens") for n in result.notes)
     assert result.unmapped == []
     assert result.launch == "tuneforge train OUT.yaml --nproc-per-node 8"
     # The layout as launched is kept, and the faster sound one named (the doctor sizes both).

@@ -15,6 +15,15 @@ ALPACA_DIFFERENCES = (
     "newline after the instruction (xtuner's prompt always ends with one)"
 )
 """What xtuner 0.1.23's `alpaca_map_fn` does that tuneforge's Alpaca reader does not, said on import."""
+OPENAI_DIFFERENCES = (
+    "dataset_map_fn openai_map_fn -> format openai, which differs from it on unusual records only: one that starts "
+    "with an assistant message is dropped and counted (xtuner skips the message), and consecutive user messages "
+    "are joined with a newline (xtuner joins them with nothing)"
+)
+TRUNCATION_DIFFERENCE = (
+    "max_length: xtuner cuts a longer sample at max_length tokens, mid-turn; tuneforge drops it and counts it "
+    "(data.truncation: drop), or with data.truncation: truncate keeps its whole leading turns that fit"
+)
 """xtuner dataset map functions and the tuneforge format that reads the same records."""
 PAIR_MAP_FUNCTIONS = ("orpo_dpo_mix_40k_map_fn",)
 """xtuner map functions for preference rows that tuneforge's pair reader reads as they are: `chosen` and
@@ -78,6 +87,8 @@ class DataMapping(MapperBase):
                 self.put("format", MAP_FUNCTIONS[name], self.line(dataset, "dataset_map_fn"))
                 if name == "alpaca_map_fn":
                     self.result.notes.append(ALPACA_DIFFERENCES)
+                else:
+                    self.result.notes.append(OPENAI_DIFFERENCES)
             elif any(key in name for key in SHAREGPT_LIKE):
                 self.put("format", "sharegpt", self.line(dataset, "dataset_map_fn"))
             else:
@@ -97,6 +108,7 @@ class DataMapping(MapperBase):
             self.unmapped(self.line(dataset, "template_map_fn"), f"template_map_fn = {shown(template_fn)}", "not read")
         if (length := self.number(dataset, "max_length", "train_dataset")) is not None:
             self.put("max_length", int(length), self.line(dataset, "max_length"))
+            self.result.notes.append(TRUNCATION_DIFFERENCE)
         if (pack := self.take(dataset, "pack_to_max_length")) is not None:
             self.put("packing", bool(pack), self.line(dataset, "pack_to_max_length"))
         self.take(dataset, "tokenizer")
