@@ -112,3 +112,18 @@ def test_a_peer_is_gone_when_its_heartbeat_is_missing_stale_or_finished(tmp_path
         frozen.kill()
         frozen.wait()
     assert not StallWatchdog(tmp_path, startup_timeout_s=30, stall_timeout_s=None)._a_peer_is_gone()  # alone
+
+
+@pytest.mark.slow
+def test_the_backstop_never_ends_a_run_that_keeps_progressing(tmp_path):
+    """The backstop (faulthandler's timer, for a monitor thread that cannot run) fires after twice the limit and
+    a margin: here 1 s + 1 s + 0.5 s, pushed back every 0.5 s. A run beating for 5 s, twice that, ends normally;
+    armed once and never pushed back, it killed every run that long, progressing or not."""
+    script = SCRIPT.replace(
+        "from tuneforge.watchdog import StallWatchdog\n",
+        "import tuneforge.watchdog as w\nfrom tuneforge.watchdog import StallWatchdog\n"
+        "w.BACKSTOP_MARGIN_S, w.BACKSTOP_REARM_EVERY_S = 0.5, 0.5\n",
+    )
+    script = script.replace("range(3)", "range(25)").replace("stuck_in_a_collective()\n", "dog.stop()\n")
+    result = run_script(tmp_path, script)
+    assert result.returncode == 0, result.stderr[-2000:]

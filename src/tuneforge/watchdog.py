@@ -55,6 +55,11 @@ every process, and torchrun forwards it to its workers again); a later one stops
 RECENT_COLLECTIVES = 32
 
 
+BACKSTOP_MARGIN_S = 60.0
+"""The backstop fires when the monitor thread itself has not run for twice the stall limit plus this."""
+BACKSTOP_REARM_EVERY_S = 5.0
+"""How often the monitor thread pushes the backstop back: while it runs, the backstop never fires."""
+
 GONE_AFTER_S = 10 * HEARTBEAT_EVERY_S
 """A peer on another host whose heartbeat is this old is taken for gone. A busy rank's monitor thread can lag a
 few seconds behind its schedule on loaded cores; a peer on this host is asked directly instead."""
@@ -233,8 +238,11 @@ class StallWatchdog:
             self._write_heartbeat(finished=True, outcome=outcome)
 
     def _arm_backstop(self) -> None:
-        # Re-armed rarely (not per beat): it fires only if the monitor thread itself cannot run.
-        faulthandler.dump_traceback_later(self.limit_s * 2 + 60, repeat=False, file=self._backstop_file, exit=True)
+        # Pushed back by the monitor thread every few seconds (not per beat): it fires only if that thread itself
+        # cannot run, for twice the limit and a margin. Armed once, it ended every run that long, progressing or not.
+        faulthandler.dump_traceback_later(
+            self.limit_s * 2 + BACKSTOP_MARGIN_S, repeat=False, file=self._backstop_file, exit=True
+        )
 
     # -- stop signals -----------------------------------------------------------------------------------------
     def _catch_stop_signals(self) -> None:
@@ -367,12 +375,15 @@ class StallWatchdog:
 
     # -- monitor thread -------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        last_heartbeat = 0.0
+        last_heartbeat, last_armed = 0.0, time.monotonic()
         while not self._stop.wait(0.25):
             if hasattr(self, "_signal_read"):
                 self._on_signals()
                 self._check_graceful_stop()
             now = time.monotonic()
+            if now - last_armed >= BACKSTOP_REARM_EVERY_S:
+                self._arm_backstop()
+                last_armed = now
             if now - last_heartbeat >= HEARTBEAT_EVERY_S:
                 self._write_heartbeat()
                 last_heartbeat = now
