@@ -77,6 +77,22 @@ def test_a_wrapped_output_layer_takes_the_standard_path(tokenizer):
     assert fused_output_layer(model) is None
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "cohere"])
+def test_a_model_that_transforms_its_logits_trains_on_them(tokenizer, batch, model_type):
+    """Gemma-2 softcaps its logits after the output layer and Cohere scales them: the fused loss, which
+    multiplies the hidden states by the layer itself, would train on other logits. Those take the model's own
+    logits, and the loss is the model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY_DENSE
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), head_dim=8, **TINY_DENSE)
+    model = AutoModelForCausalLM.from_config(config)
+    assert fused_output_layer(model) is None
+    assert float(loss_sum(model, batch, "fp32")) == pytest.approx(float(reference(model, batch)), rel=1e-6)
+
+
 def test_the_function_scales_its_gradients_by_the_incoming_one():
     torch.manual_seed(0)
     hidden = torch.randn(9, 6, requires_grad=True)

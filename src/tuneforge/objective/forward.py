@@ -93,10 +93,20 @@ class TokenForward:
         return linear_target_log_probs(hidden, weight, wanted, self.autocast_dtype or weight.dtype)
 
 
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+"""Config settings (with the value that leaves the logits alone) of models whose forward changes the output
+layer's logits before the loss: Gemma-2's softcapping, Cohere's scale, Granite's divisor."""
+
+
 def fused_output_layer(plain: torch.nn.Module) -> torch.nn.Linear | None:
     """The output layer to fuse with the loss, or None where the model's own logits must be used: the
-    forward has no `logits_to_keep` (older remote code) or the layer is not a plain local `nn.Linear`."""
+    forward has no `logits_to_keep` (older remote code), the layer is not a plain local `nn.Linear`, or the
+    model transforms its logits after it (`LOGIT_TRANSFORMS`: the fused loss would train on other logits)."""
     base = plain.get_base_model() if hasattr(plain, "get_base_model") else plain
     if "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return None
+    config = getattr(base, "config", None)
+    for name, neutral in LOGIT_TRANSFORMS.items():
+        if getattr(config, name, neutral) not in (neutral, None):
+            return None
     return plain_output_layer(base)
