@@ -93,6 +93,19 @@ def test_a_model_that_transforms_its_logits_trains_on_them(tokenizer, batch, mod
     assert float(loss_sum(model, batch, "fp32")) == pytest.approx(float(reference(model, batch)), rel=1e-6)
 
 
+def test_without_gradients_wanted_none_is_computed(monkeypatch):
+    """Validation of full fine-tuning: the output layer's weight requires a gradient, but under no_grad the loss
+    alone is computed, not the vocabulary-sized weight gradient with it."""
+    computed = []
+    monkeypatch.setattr(fused_loss, "_accumulate_weight_gradient", lambda *args, **kwargs: computed.append(1))
+    hidden, weight = torch.randn(6, 8), torch.randn(11, 8, requires_grad=True)
+    targets = torch.tensor([1, 2, 3, 4, 5, 6])
+    expected = F.cross_entropy(hidden @ weight.detach().T, targets, reduction="sum")
+    with torch.no_grad():
+        loss = linear_cross_entropy_sum(hidden, weight, targets, torch.float32)
+    assert computed == [] and float(loss) == pytest.approx(float(expected), rel=1e-6)
+
+
 def test_the_function_scales_its_gradients_by_the_incoming_one():
     torch.manual_seed(0)
     hidden = torch.randn(9, 6, requires_grad=True)

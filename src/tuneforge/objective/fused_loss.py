@@ -134,6 +134,10 @@ def linear_cross_entropy_sum(
 ) -> torch.Tensor:
     """Sum over rows of cross-entropy(hidden @ weight.T, targets), in fp32; `hidden` is (rows, width) and holds
     only positions that have a target."""
+    if not torch.is_grad_enabled():
+        # Validation: the gradients this function computes with the loss would be thrown away (a trainable
+        # output layer's weight still says requires_grad here): not computed.
+        hidden, weight = hidden.detach(), weight.detach()
     return LinearCrossEntropySum.apply(hidden, weight, targets, compute_dtype)
 
 
