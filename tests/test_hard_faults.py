@@ -301,3 +301,36 @@ def test_a_master_port_in_use_is_named_before_the_workers_start(tmp_path):
         )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"error: --master-port {port}: in use on this machine" in result.stderr
+
+
+def test_a_node_that_never_joins_the_rendezvous_gets_one_message_naming_the_settings(tmp_path, monkeypatch):
+    """torchrun's store times out when a node never joins (not started, or started with another port): the
+    launcher says which settings every node must share instead of a DistStoreError traceback."""
+    from torch.distributed import DistStoreError
+
+    import tuneforge.launch as launch_module
+    from tuneforge.errors import UserError
+
+    def never_joined(args):
+        raise DistStoreError("Timed out after 601 seconds waiting for clients. 1/2 clients joined.")
+
+    monkeypatch.setattr(launch_module, "elastic_run", never_joined)
+    port = free_port()
+    with pytest.raises(UserError) as info:
+        launch_module.launch_workers(["train", "x.yaml"], 1, 2, 0, "127.0.0.1", port, tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"the launcher's rendezvous on 127.0.0.1:{port} did not complete (Timed out after 601")
+    assert "start all 2 node(s) with the same --nnodes, --master-addr and --master-port" in message
+
+
+def test_workers_tell_a_launcher_that_is_process_one_from_init(monkeypatch):
+    """In a container whose command is the launcher, the workers' parent is process 1: that is the launcher
+    alive, not init adopting orphans."""
+    from tuneforge.launcher_watch import LAUNCHER_PID, launcher_is_process_one
+
+    monkeypatch.setenv(LAUNCHER_PID, "1")
+    assert launcher_is_process_one()
+    monkeypatch.setenv(LAUNCHER_PID, "4242")  # a launcher of ours elsewhere; process 1 told by its command line
+    for command, launcher in ((b"/sbin/init\0", False), (b"python\0-m\0torch.distributed.run\0--nproc-per-node", True)):
+        monkeypatch.setattr(Path, "read_bytes", lambda self, command=command: command)
+        assert launcher_is_process_one() is launcher, command

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import time
 from pathlib import Path
 
-from torch.distributed import DistNetworkError
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
@@ -16,6 +17,7 @@ from torch.distributed.run import run as elastic_run
 from tuneforge.diagnostics.files import STOPPED
 from tuneforge.diagnostics.report import REPORT, build_report
 from tuneforge.errors import UserError, first_line
+from tuneforge.launcher_watch import LAUNCHER_PID
 from tuneforge.watchdog import STALL_EXIT_CODE
 
 USER_ERROR_EXIT = 2
@@ -45,6 +47,7 @@ def launch_workers(
         *argv,
     ]
     args = get_args_parser().parse_args(launcher_args)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers' way to tell this launcher from init as process 1
     if node_rank == 0:
         check_port_free(master_addr, master_port)
     started = time.time()
@@ -55,6 +58,12 @@ def launch_workers(
         raise UserError(
             f"the launcher's rendezvous on {master_addr}:{master_port} failed ({reason}); check --master-addr and "
             "--master-port (a free port on node 0, reachable from every node)"
+        ) from None
+    except DistStoreError as exc:  # a node that never joined (or joined another port) within the timeout
+        reason = first_line(exc, 300)
+        raise UserError(
+            f"the launcher's rendezvous on {master_addr}:{master_port} did not complete ({reason}); start all "
+            f"{nnodes} node(s) with the same --nnodes, --master-addr and --master-port, each with its own --node-rank"
         ) from None
     except SignalException as exc:
         # SIGTERM or SIGINT to the launcher: torchrun passed it on to the ranks and waited for them to stop.

@@ -14,10 +14,27 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 POLL_S = 0.5
 ORPHANED_EXIT = 129
 """128 + SIGHUP: the controlling process is gone."""
+
+
+LAUNCHER_PID = "TUNEFORGE_LAUNCHER_PID"
+"""Set by `tuneforge train --nproc-per-node N` for its workers: the launcher's process id."""
+
+
+def launcher_is_process_one() -> bool:
+    """Whether process 1 is the launcher itself, as in a container whose command is `tuneforge train` or
+    torchrun, rather than init (which adopts the workers of a launcher that died)."""
+    if os.environ.get(LAUNCHER_PID) == "1":
+        return True
+    try:
+        command = Path("/proc/1/cmdline").read_bytes()
+    except OSError:
+        return False
+    return any(word in command for word in (b"tuneforge", b"torchrun", b"torch.distributed.run"))
 
 
 def follow_launcher() -> None:
@@ -27,7 +44,7 @@ def follow_launcher() -> None:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     launcher = os.getppid()
-    if launcher == 1:  # already adopted by init: the launcher died before this process got here
+    if launcher == 1 and not launcher_is_process_one():  # adopted by init: the launcher died before this got here
         _watch(launcher, gone=True)
     threading.Thread(target=_watch, args=(launcher,), name="tuneforge-launcher-watch", daemon=True).start()
 
