@@ -127,3 +127,24 @@ def test_the_backstop_never_ends_a_run_that_keeps_progressing(tmp_path):
     script = script.replace("range(3)", "range(25)").replace("stuck_in_a_collective()\n", "dog.stop()\n")
     result = run_script(tmp_path, script)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_stall_on_a_full_disk_still_ends_the_rank_with_its_stacks_on_the_terminal(tmp_path):
+    """Every write fails (ENOSPC) once the run is going: the dump that cannot be written goes to stderr, and the
+    rank still exits with the stall status instead of losing its monitor thread and hanging."""
+    script = SCRIPT.replace(
+        'dog.beat("optimizer")\n',
+        'dog.beat("optimizer")\n'
+        "import errno, pathlib\n"
+        "def full(*args, **kwargs):\n"
+        "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "pathlib.Path.write_text = full\n"
+        "import tuneforge.watchdog\n"
+        "tuneforge.watchdog.write_json = full\n",
+    )
+    script = script.replace("stall_timeout_s=1.0)", "stall_timeout_s=1.0, grace_s=1.0)")  # its own dump never comes
+    result = run_script(tmp_path, script)
+    assert result.returncode == STALL_EXIT_CODE, result.stderr[-2000:]
+    assert f"tuneforge: {tmp_path} not written (No space left on device); rank 0: stall:" in result.stderr
+    assert "stuck_in_a_collective" in result.stderr

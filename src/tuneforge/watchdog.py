@@ -488,7 +488,8 @@ class StallWatchdog:
         if answered.exists() and answered.stat().st_mtime >= requested:
             return
         self.dump("live", "requested by tuneforge diagnose --live", prefix="live")
-        answered.touch()
+        with contextlib.suppress(OSError):  # a full disk: the request stays unanswered, training goes on
+            answered.touch()
 
     # -- failure --------------------------------------------------------------------------------------------
     def dump(self, reason: str, detail: str, prefix: str = "rank", where: str | None = None) -> Path:
@@ -501,11 +502,14 @@ class StallWatchdog:
             "where": where,
             "collectives": self.recorder.snapshot(),
         }
-        (self.diagnostics_dir / f"stacks-{prefix}-{self.rank}.txt").write_text(
-            f"rank {self.rank}: {reason}: {detail}\nphase {self.phase}, step {self.step}, at {where}\n\n{stacks}"
-        )
+        text = f"rank {self.rank}: {reason}: {detail}\nphase {self.phase}, step {self.step}, at {where}\n\n{stacks}"
         path = self.diagnostics_dir / f"{prefix}-{self.rank}.json"
-        write_json(path, state)
+        try:
+            (self.diagnostics_dir / f"stacks-{prefix}-{self.rank}.txt").write_text(text)
+            write_json(path, state)
+        except OSError as exc:  # a full disk: the evidence goes to the terminal instead of being lost
+            with contextlib.suppress(OSError):
+                print(f"tuneforge: {self.diagnostics_dir} not written ({exc.strerror or exc}); {text}", file=sys.stderr)
         return path
 
     def fail(self, reason: str, detail: str, exit_process: bool = True, where: str | None = None) -> None:
@@ -514,9 +518,11 @@ class StallWatchdog:
 
         if not self._failing.acquire(blocking=False):
             return
-        self.dump(reason, detail, where=where)
-        report = collect_and_report(self.diagnostics_dir, self.rank, self.world_size, self.grace_s)
-        if report is not None:
-            print(report, file=sys.stderr, flush=True)
-        if exit_process:
-            os._exit(STALL_EXIT_CODE)
+        try:
+            self.dump(reason, detail, where=where)
+            report = collect_and_report(self.diagnostics_dir, self.rank, self.world_size, self.grace_s)
+            if report is not None:
+                print(report, file=sys.stderr, flush=True)
+        finally:  # whatever the report met (a full disk, a closed terminal), a stalled rank ends
+            if exit_process:
+                os._exit(STALL_EXIT_CODE)

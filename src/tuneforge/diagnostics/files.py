@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 
 STOPPED = "stopped.txt"
@@ -61,7 +62,8 @@ def same_process_alive(heartbeat: dict) -> bool | None:
 
 def write_json(path: Path, data: dict) -> None:
     """Atomic, so a reader on another process (or node) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Per thread too: a rank's main thread and its watchdog's monitor thread both write its heartbeat.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(data, default=str))
     os.replace(tmp, path)
 
