@@ -441,3 +441,30 @@ def test_a_sample_too_long_for_any_tokenizer_is_dropped_without_tokenizing(tmp_p
     assert time.monotonic() - started < 5
     assert report.kept == len(RECORDS) and report.drops.counts == {"longer than data.max_length": 1}
     assert report.drops.examples["longer than data.max_length"] == [f"{path}:1 (20,000,001 characters, not tokenized)"]
+
+
+def test_a_data_file_this_user_may_not_read_is_said_before_anything_runs(tmp_path, monkeypatch):
+    """`chmod 000` on a data file (or on one file of a data directory): one line naming it and the fix, where the
+    cache's fingerprint or the reader raised a PermissionError traceback. Root reads anything, so this user's
+    access is what is asked (here made to say no for that file)."""
+    import os
+
+    from tuneforge.config import load_config
+    from tuneforge.train.inputs import check_inputs
+
+    write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    (tmp_path / "shards").mkdir()
+    write_jsonl(tmp_path / "shards" / "b.jsonl", RECORDS)
+    (tmp_path / "cfg.yaml").write_text(
+        "model: {architecture: llama, tokenizer: bytes}\ndata: {train_files: [a.jsonl, shards]}\n"
+    )
+    real = os.access
+    locked = {str(tmp_path / "a.jsonl"), str(tmp_path / "shards" / "b.jsonl")}
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) not in locked and real(path, mode))
+    with pytest.raises(UserError) as info:
+        check_inputs(load_config(tmp_path / "cfg.yaml"), tmp_path / "run")
+    assert str(info.value).splitlines() == [
+        f"data.train_files: {tmp_path / 'a.jsonl'} cannot be read by this user; fix its permissions (chmod a+r)",
+        f"data.train_files: {tmp_path / 'shards' / 'b.jsonl'} cannot be read by this user; fix its permissions "
+        "(chmod a+r)",
+    ]

@@ -63,7 +63,15 @@ def _data_problems(cfg: Config) -> list[str]:
                 f"{key}: {path} is not a regular file (a pipe such as `<(...)`, or a device): the data is read more "
                 "than once; write it to a file"
             )
+        elif unreadable := _unreadable(Path(path)):
+            problems.append(f"{key}: {unreadable} cannot be read by this user; fix its permissions (chmod a+r)")
     return problems
+
+
+def _unreadable(path: Path) -> Path | None:
+    """The first file (of a file, or of a directory's tree) this process may not read."""
+    files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.is_file()]
+    return next((file for file in files if not os.access(file, os.R_OK)), None)
 
 
 def _model_problems(model: ModelConfig) -> list[str]:
