@@ -127,6 +127,19 @@ def test_resume_refuses_another_order_of_the_data_before_the_model_loads(job):
 
 
 @pytest.mark.slow
+def test_the_samples_consumed_are_samples_not_packed_rows(job):
+    """Packed rows hold several samples: after one epoch of 20 samples the checkpoint says 20 were consumed,
+    where it counted the rows."""
+    from tuneforge.train.state import read_state
+
+    (job / "cfg.yaml").write_text(CONFIG.replace("max_steps: 7", "epochs: 1"))
+    done = train_here(job / "cfg.yaml", job / "run", "data.packing=true", "checkpoint.every_steps=1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = max((job / "run" / "checkpoints").glob("step-*"), key=lambda p: int(p.name.removeprefix("step-")))
+    assert read_state(last).samples_consumed == 20
+
+
+@pytest.mark.slow
 def test_resume_refuses_another_world_size(job):
     (job / "cfg.yaml").write_text(CONFIG)
     assert train_here(job / "cfg.yaml", job / "run", "train.max_steps=2").returncode == 0

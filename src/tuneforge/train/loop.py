@@ -296,7 +296,8 @@ class Trainer:
         self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
         observer = TrainerObserver(self, step, len(micro_batches))
         accumulated = accumulate_gradients(engine, micro_batches, self.parts.objective, observer)
-        self.samples_consumed += sum(mb.input_ids.size(0) for mb in micro_batches) * self.parts.layout.data_size
+        # From the plan every rank holds: samples (a pair's answers as one), not rows, and no repeated filler row.
+        self.samples_consumed += sum(mb.global_samples for mb in micro_batches) // self.parts.planner.group
 
         lr = self.schedule(step)
         loss_scale = engine.loss_scale  # the scale this step's gradients carry
