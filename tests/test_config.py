@@ -193,3 +193,36 @@ def test_a_frozen_reference_model_under_expert_parallelism_is_refused_with_the_a
     assert "preference.reference: model is not built under parallel.expert_parallel" in message
     assert "use preference.reference: precompute (expert parallelism trains every weight" in message
     load_config(write(tmp_path, text), [])  # without expert parallelism it is a valid config
+
+
+def test_command_line_mistakes_get_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """A refresh interval that is no positive number, an import written where it cannot be, and a model path in
+    a directory this user may not look into (Path.exists raises there): each a one-line error."""
+    from pathlib import Path
+
+    from tuneforge.cli import main
+    from tuneforge.config.load import load_config
+
+    for interval in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit) as info:
+            main(["watch", str(tmp_path), "--interval", interval])
+        assert info.value.code == 2 and "--interval: expected a number of seconds" in capsys.readouterr().err
+
+    from test_xtuner_import import SEED
+
+    (tmp_path / "file").write_text("")
+    assert main(["import-xtuner", str(SEED), "-o", str(tmp_path / "file" / "out.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'file' / 'out.yaml'}: cannot write the imported config (" in err
+    assert "Traceback" not in err
+
+    (tmp_path / "cfg.yaml").write_text("model: {path: private/model}\ndata: {train_files: [x.jsonl]}\n")
+    real = Path.exists
+
+    def guarded(self, *args, **kwargs):
+        if "private" in str(self):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", guarded)
+    assert load_config(tmp_path / "cfg.yaml").model.path == "private/model"  # left as given: a hub name, or not

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import math
 import os
 import sys
 from pathlib import Path
@@ -49,6 +51,17 @@ GPU_CHOICES = ["h100", "h200", "a100-80gb", "a100-40gb", "l40s", "a10g", "l4"]
 TRUST_HELP = (
     "run the Python files of a model whose architecture transformers lacks (never enabled by a checkpoint itself)"
 )
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text}")
+    return value
 
 
 def _int_from(minimum: int, maximum: int | None = None):
@@ -225,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     watch.add_argument("work_dir", type=Path, help="the run's work dir")
     watch.add_argument("--once", action="store_true", help="print the view once and exit")
-    watch.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    watch.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between refreshes (default 1)")
     add_recipes_parser(commands, GPU_CHOICES)
     commands.add_parser(
         "config-docs",
@@ -267,10 +280,15 @@ def _import_xtuner(source: Path, deepspeed: str | None, nproc: int, out: Path | 
         print(f"{len(result.unmapped)} setting(s) not mapped: the NOT MAPPED lines above say which and why")
     if out is None:
         return None
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)  # several ranks started by torchrun may write it at once
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)  # several ranks started by torchrun may write it at once
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise UserError(f"{out}: cannot write the imported config ({exc.strerror or exc}); choose another -o") from None
     print(f"written to {out}; run it with: {result.launch.replace('OUT.yaml', str(out))}")
     return out
 

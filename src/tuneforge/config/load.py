@@ -183,9 +183,17 @@ def _resolve_paths(config: Config, base: Path) -> Config:
         config.eval.exact_match.file = _resolved("eval.exact_match.file", base / config.eval.exact_match.file)
     for field in ("path", "tokenizer"):
         value = getattr(config.model, field)
-        if value and value != "bytes" and (base / value).exists():
+        if value and value != "bytes" and _exists(base / value):
             setattr(config.model, field, _resolved(f"model.{field}", base / value))
     return config
+
+
+def _exists(path: Path) -> bool:
+    """Whether `path` exists, False where this user may not look (Path.exists raises there on Python 3.11)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
