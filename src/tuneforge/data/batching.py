@@ -259,9 +259,9 @@ class BatchPlanner:
     def plan(self, epoch: int) -> Plan:
         return [rows for rows, _, _, _ in self._shares(epoch)]
 
-    def _shares(self, epoch: int) -> list[tuple[list[list[int]], int, int]]:
-        """(this rank's rows, target tokens and samples of the whole global micro-batch) for every micro-batch of
-        `epoch`."""
+    def _shares(self, epoch: int) -> list[tuple[list[list[int]], int, int, int]]:
+        """(this rank's rows, target tokens, samples and rows of the whole global micro-batch) for every
+        micro-batch of `epoch`."""
         whole = plan_epoch(
             self.unit_lengths, self.global_micro_batch, self.strategy, self.seed, epoch, self.packed_rows
         )
