@@ -192,8 +192,14 @@ def rows_for_rank(batch: list[list[int]], rank: int, world_size: int, filler: li
     runs a micro-batch: a rank that skipped one would leave the others waiting in a collective."""
     if len(batch) < world_size:
         batch = batch + [filler[i % len(filler)] for i in range(world_size - len(batch))]
-    bounds = np.linspace(0, len(batch), world_size + 1).round().astype(int)
+    bounds = share_bounds(len(batch), world_size)
     return batch[bounds[rank] : bounds[rank + 1]]
+
+
+def share_bounds(rows: int, world_size: int) -> np.ndarray:
+    """Where each rank's contiguous share of `rows` rows starts (and the last one ends): shares differ by at most
+    one row."""
+    return np.linspace(0, rows, world_size + 1).round().astype(int)
 
 
 def mask_filler_rows(batch: MicroBatch, rank: int, world_size: int, real: int) -> None:
@@ -201,7 +207,7 @@ def mask_filler_rows(batch: MicroBatch, rank: int, world_size: int, real: int) -
     than the ranks), masked: they keep the rank in step with the others and train nothing."""
     if real >= world_size:
         return
-    start = int(np.linspace(0, world_size, world_size + 1).round().astype(int)[rank])
+    start = int(share_bounds(world_size, world_size)[rank])  # a topped-up batch has a row per rank
     for local in range(batch.targets.shape[0]):
         if start + local >= real:
             batch.targets[local] = IGNORE_INDEX
