@@ -114,6 +114,36 @@ def test_a_peer_is_gone_when_its_heartbeat_is_missing_stale_or_finished(tmp_path
     assert not StallWatchdog(tmp_path, startup_timeout_s=30, stall_timeout_s=None)._a_peer_is_gone()  # alone
 
 
+def test_a_peer_whose_heartbeat_stopped_for_the_stall_limit_is_stalled_in_any_phase(tmp_path):
+    """The silence limit is the training stall limit (never the start-up one a save allows for itself), at least
+    GONE_AFTER_S; heartbeats of a previous attempt, finished peers and peers still beating are not stalled."""
+    import json
+    import time
+
+    from tuneforge.watchdog import GONE_AFTER_S, StallWatchdog
+
+    dog = StallWatchdog(tmp_path, startup_timeout_s=1800, stall_timeout_s=20, rank=0, world_size=2)
+    (tmp_path / "live").mkdir()
+    dog.beat("save", training=True)
+    dog.started_at -= 100  # this attempt started before the heartbeats below
+    assert dog.limit_s == 1800 and dog.silence_limit_s == 20
+    assert StallWatchdog(tmp_path, 1800, stall_timeout_s=2).silence_limit_s == GONE_AFTER_S
+    assert StallWatchdog(tmp_path, 1800, stall_timeout_s=None, floor_s=300).silence_limit_s == 300
+    beat = tmp_path / "live" / "rank-1.json"
+    assert dog._silent_peer() is None  # no heartbeat yet: the start-up limit covers a peer that never started
+    for phase in ("data", "forward/backward", "optimizer", "save", "eval", "generation", "model"):
+        for age, finished, stalled in [(5, False, False), (21, False, True), (21, True, False)]:
+            beat.write_text(
+                json.dumps({"rank": 1, "phase": phase, "step": 7, "updated": time.time() - age, "finished": finished})
+            )
+            found = dog._silent_peer()
+            assert (found is not None) == stalled, (phase, age, finished)
+            if stalled:
+                assert found.startswith(f"rank 1 stopped beating: its last heartbeat, in phase {phase} at step 7")
+    dog.started_at = time.time() + 30  # the heartbeat above now predates this attempt: a killed run's leftover
+    assert dog._silent_peer() is None
+
+
 @pytest.mark.slow
 def test_the_backstop_never_ends_a_run_that_keeps_progressing(tmp_path):
     """The backstop (faulthandler's timer, for a monitor thread that cannot run) fires after twice the limit and

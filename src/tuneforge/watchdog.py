@@ -120,6 +120,7 @@ class StallWatchdog:
         self.grace_s = grace_s
         self.recorder = recorder
         self.pid_started = process_start_ticks(os.getpid())  # names this process in heartbeats, with its pid
+        self.started_at = time.time()  # peers' heartbeats older than this are a previous attempt's
         self.phase = "startup"
         self.step = 0
         self.total_steps: int | None = None
@@ -156,6 +157,21 @@ class StallWatchdog:
         if not self.step_times:
             return self.startup_timeout_s
         return max(self.floor_s, self.step_multiple * statistics.median(self.step_times))
+
+    @property
+    def silence_limit_s(self) -> float:
+        """How long a peer's heartbeat may go unwritten, in any phase, before that peer counts as stalled. Its
+        monitor thread writes it every second whatever the main thread does (a slow save, a long reference pass,
+        a wait in a collective), so silence means the process itself stopped: SIGSTOP, a debugger, a frozen
+        node. The limit is the training stall limit, never the start-up one (a save's peers would otherwise wait
+        30 minutes for a rank frozen in it), and at least a few missed beats (a busy host's thread lags)."""
+        if self.stall_timeout_s is not None:
+            limit = self.stall_timeout_s
+        elif self.step_times:
+            limit = max(self.floor_s, self.step_multiple * statistics.median(self.step_times))
+        else:
+            limit = self.floor_s
+        return max(limit, GONE_AFTER_S)
 
     @property
     def warn_after_s(self) -> float:
@@ -387,6 +403,8 @@ class StallWatchdog:
             if now - last_heartbeat >= HEARTBEAT_EVERY_S:
                 self._write_heartbeat()
                 last_heartbeat = now
+                if self.world_size > 1 and (silent := self._silent_peer()) is not None:
+                    self.fail("stall", silent)
             self._check_request()
             idle = now - self.last_beat
             if self.world_size > 1 and idle > self.warn_after_s:
@@ -445,6 +463,22 @@ class StallWatchdog:
             now - p["updated"] < 3 * HEARTBEAT_EVERY_S and p["idle_s"] < self.limit_s and not p.get("finished")
             for p in self.peers().values()
         )
+
+    def _silent_peer(self) -> str | None:
+        """Why a peer of this attempt counts as stalled because its heartbeat stopped (None while every peer
+        beats, finished, or has not written one yet: the start-up limit covers a peer that never started)."""
+        now, limit = time.time(), self.silence_limit_s
+        for rank, peer in sorted(self.peers().items()):
+            updated = peer.get("updated")
+            if not isinstance(updated, (int, float)) or updated < self.started_at or peer.get("finished"):
+                continue
+            if now - updated > limit:
+                return (
+                    f"rank {rank} stopped beating: its last heartbeat, in phase {peer.get('phase')} at step "
+                    f"{peer.get('step')}, is {now - updated:.0f}s old (limit {limit:.0f}s); this rank was in phase "
+                    f"{self.phase}"
+                )
+        return None
 
     def _warn_if_waiting_for_a_straggler(self) -> None:
         waiting = self.recorder.in_flight

@@ -22,7 +22,10 @@ diagnosis can be checked end to end through the real launcher:
   a full disk (every `torch.save` and DeepSpeed's copy of its recovery scripts raise ENOSPC), while the other
   ranks' succeed;
 - `unwritable_in_save`: writing that step's checkpoint fails as in a directory made read-only (EACCES);
-- `nan_loss`: the rank's loss of that step is NaN (a bad sample, an overflow).
+- `nan_loss`: the rank's loss of that step is NaN (a bad sample, an overflow);
+- `freeze`: the rank stops itself with SIGSTOP (what `kill -STOP`, a debugger or a swapping node does) as it
+  enters phase `PHASE` (`freeze:RANK:STEP:PHASE`, a heartbeat phase: `data`, `save`, `eval`, `generation`,
+  `model` for the reference pass...) at that step or later.
 
 The faults live in wrappers around the run's parts (the step groups, the engine, the model's last decoder
 layer), installed by `run.setup` only when the variable is set: the training loop has no test switches.
@@ -63,6 +66,7 @@ KINDS = (
     "unwritable_in_save",
     "slow_stop_save",
     "nan_loss",
+    "freeze",
 )
 
 
@@ -72,6 +76,7 @@ class Fault:
     rank: int
     step: int
     seconds: float = 0.0
+    phase: str = ""
 
 
 def injected_fault() -> Fault | None:
@@ -81,6 +86,8 @@ def injected_fault() -> Fault | None:
     kind, rank, step, *rest = spec.split(":")
     if kind not in KINDS:
         raise ValueError(f"{ENV}: unknown fault {kind!r}; one of {', '.join(KINDS)}")
+    if kind == "freeze":
+        return Fault(kind, int(rank), int(step), phase=rest[0])
     return Fault(kind, int(rank), int(step), float(rest[0]) if rest else 0.0)
 
 
@@ -112,6 +119,21 @@ class FaultInjector:
         for kind, number in (("sigterm", signal.SIGTERM), ("sigint", signal.SIGINT)):
             if self.due(kind):
                 os.kill(os.getpid(), number)
+
+    def watch_phases(self) -> None:
+        """Freezes this rank as its watchdog is told it enters the fault's phase (the beat is recorded first,
+        so its heartbeat names the phase it froze in)."""
+        if self.fault.kind != "freeze" or self.fault.rank != self.rank:
+            return
+        watchdog, beat = self.watchdog, self.watchdog.beat
+
+        def beat_then_freeze(phase: str, *args: object, **kwargs: object) -> None:
+            beat(phase, *args, **kwargs)  # type: ignore[arg-type]
+            if phase == self.fault.phase and watchdog.step >= self.fault.step:
+                watchdog._write_heartbeat()  # published now (frequent phases wait for the next second's write)
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        watchdog.beat = beat_then_freeze  # type: ignore[method-assign]
 
     def wrap_engine(self, engine: Engine) -> Engine:
         if self.fault.kind == "nan_loss":
