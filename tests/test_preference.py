@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,6 +331,25 @@ def test_the_wrong_kind_of_data_stops_before_the_model_loads(tmp_path):
     assert full.returncode != 0 and "preference.reference: adapters needs model.lora" in full.stderr
 
 
+@pytest.mark.parametrize("objective", ["orpo", "reward"])
+def test_a_reference_setting_without_a_reference_is_refused_when_the_config_loads(tmp_path, objective):
+    """ORPO and reward models have no reference model: `preference.reference` would do nothing there."""
+    from conftest import tuneforge_here
+
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(2)])
+    (tmp_path / "cfg.yaml").write_text(DPO_CONFIG)
+    refused = tuneforge_here(
+        "data", "check", str(tmp_path / "cfg.yaml"), f"train.objective={objective}", "preference.reference=model"
+    )
+    assert refused.returncode != 0 and "train: 2 records read" not in refused.stdout
+    assert (
+        f"preference.reference: model does nothing with train.objective: {objective}, which has no reference model "
+        "(only dpo has one); remove preference.reference, or set train.objective: dpo"
+    ) in refused.stderr
+    left_out = tuneforge_here("data", "check", str(tmp_path / "cfg.yaml"), f"train.objective={objective}")
+    assert left_out.returncode == 0, left_out.stderr
+
+
 def test_a_data_file_with_pairs_is_rejected_by_sft_in_the_library_too(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "pairs.jsonl", [pair(1)])
     cfg = DataConfig(train_files=[str(path)], cache_dir=None)
@@ -487,6 +507,64 @@ def test_full_fine_tuning_dpo_precomputes_its_reference_once_and_equals_a_live_o
     again = [json.loads(line)["loss"] for line in (tmp_path / "cut" / "metrics.jsonl").open()]
     first = [json.loads(line)["loss"] for line in (tmp_path / "full" / "metrics.jsonl").open()]
     assert again == pytest.approx(first, abs=1e-6) and len(again) == 4
+
+
+def save_model_in_place(model, path) -> None:
+    """`model`'s weights written over the file at `path` (a safetensors file of the same shapes): the same inode,
+    size and modification time, only the content changed, as a copy that keeps times would leave it."""
+    import os
+    import tempfile
+
+    times = path.stat()
+    with tempfile.TemporaryDirectory() as other:
+        model.save_pretrained(other, safe_serialization=True)
+        content = (Path(other) / path.name).read_bytes()
+    assert len(content) == times.st_size
+    with path.open("r+b") as handle:
+        handle.write(content)
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
+@pytest.mark.slow
+def test_a_precomputed_reference_follows_the_weights_and_is_archived_with_its_run(tmp_path, tokenizer):
+    """New weights at the same model path (same file, size and modification time) are not given the old
+    weights' table: the step-1 loss is log 2 exactly, as when policy and reference agree. `--archive-previous`
+    moves `reference/` with the run's other outputs."""
+    import shutil
+
+    from conftest import metrics
+
+    tiny_llama(tokenizer, seed=0).save_pretrained(tmp_path / "model", safe_serialization=True)
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(4)])
+    (tmp_path / "cfg.yaml").write_text(
+        f"model: {{path: {tmp_path / 'model'}, tokenizer: bytes}}\n"
+        + """data: {train_files: [pairs.jsonl], cache_dir: null, max_length: 128}
+train: {objective: dpo, lr: 1.0e-2, micro_batch_size: 2, max_steps: 1, precision: fp32}
+checkpoint: {every_steps: 0, save_final: false}
+log: {progress: lines, plot: false}
+"""
+    )
+    first = train_here(tmp_path / "cfg.yaml", tmp_path / "first")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "dpo reference: hashing 2 model file(s)" in first.stdout  # config.json and model.safetensors
+    (old_table,) = (tmp_path / "first" / "reference").glob("train-*.safetensors")
+
+    save_model_in_place(tiny_llama(tokenizer, seed=1), tmp_path / "model" / "model.safetensors")
+    shutil.copytree(tmp_path / "first" / "reference", tmp_path / "rerun" / "reference")  # a rerun's work dir
+    rerun = train_here(tmp_path / "cfg.yaml", tmp_path / "rerun")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    stale = tmp_path / "rerun" / "reference" / old_table.name
+    assert f"dpo reference: {stale} was computed for other model files; not used" in rerun.stdout
+    assert "dpo reference: computing the train log-probabilities" in rerun.stdout
+    assert metrics(tmp_path / "rerun")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+    archived = train_here(tmp_path / "cfg.yaml", tmp_path / "rerun", "--archive-previous")
+    assert archived.returncode == 0, archived.stderr[-3000:]
+    (previous,) = (tmp_path / "rerun" / "previous-runs").iterdir()
+    assert f"work dir: the previous run's metrics.jsonl, reference/ moved to {previous}" in archived.stdout
+    assert len(list((previous / "reference").glob("train-*.safetensors"))) == 2
+    assert "dpo reference: computing the train log-probabilities" in archived.stdout
+    assert metrics(tmp_path / "rerun")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_validation_over_held_out_pairs_counts_each_pair_once(tmp_path, tokenizer):

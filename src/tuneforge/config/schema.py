@@ -361,6 +361,13 @@ class Config(Section):
                 "use preference.reference: precompute (expert parallelism trains every weight, so adapters, "
                 "and a reference made by disabling them, are not available there)"
             )
+        if self.train.objective in ("orpo", "reward") and self.preference.reference != "auto":
+            # ORPO's odds ratio and a reward model's ranking compare the policy's own answers: no reference.
+            raise ValueError(
+                f"preference.reference: {self.preference.reference} does nothing with train.objective: "
+                f"{self.train.objective}, which has no reference model (only dpo has one); remove "
+                "preference.reference, or set train.objective: dpo"
+            )
         if self.train.objective == "reward" and (self.eval.sample_prompts or self.eval.exact_match is not None):
             raise ValueError(
                 "train.objective: reward trains a scoring model, which does not write answers: remove "

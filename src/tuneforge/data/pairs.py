@@ -4,7 +4,8 @@ Rows are read in the conversational form TRL and xtuner use, `{"prompt": [messag
 "rejected": [messages]}`, or with `chosen` and `rejected` as whole conversations that share their first messages
 (the shared part is the prompt; a `prompt` field beside them must repeat it). Plain strings stand for one user
 message (`prompt`) or one assistant reply (`chosen`, `rejected`). Only the answers train: assistant messages
-inside the prompt are history.
+inside the prompt are history. Both answers are given the same way: one a whole conversation (with its own user
+message) and the other only an answer would train them after two different prompts, so such a row is dropped.
 """
 
 from __future__ import annotations
@@ -65,6 +66,29 @@ def _answer(messages: list[tuple[str, str, bool]], key: str) -> list[tuple[str, 
     return messages
 
 
+def _has_user(messages: list[tuple[str, str, bool]]) -> bool:
+    return any(role == "user" for role, _, _ in messages)
+
+
+def _same_form(chosen: list[tuple[str, str, bool]], rejected: list[tuple[str, str, bool]]) -> None:
+    """Both answers whole conversations, or both only answers: a whole conversation beside a bare answer would
+    train the one after its own question and the other after `prompt` (or after no question at all)."""
+    if _has_user(chosen) != _has_user(rejected):
+        whole, bare = (CHOSEN, REJECTED) if _has_user(chosen) else (REJECTED, CHOSEN)
+        raise SampleError(
+            "conflicting prompt",
+            f"`{whole}` is a whole conversation with its own user message, `{bare}` only an answer; give both the "
+            "same way (both only the answers after `prompt`, or both whole conversations)",
+        )
+
+
+def _blank(messages: list[tuple[str, str, bool]], reason: str, what: str) -> None:
+    """A user or assistant message with no text: nothing to prefer, or no question to answer. (An empty system
+    message, which many datasets carry, is only no system prompt.)"""
+    if any(role != "system" and not content.strip() for role, content, _ in messages):
+        raise SampleError(reason, f"{what} is empty or only whitespace; write it, or remove the row")
+
+
 def pair_conversations(record: Any, origin: str) -> tuple[Conversation, Conversation]:
     """(chosen, rejected) conversations of one pair row; SampleError names what is wrong with it."""
     if not isinstance(record, dict):
@@ -75,7 +99,11 @@ def pair_conversations(record: Any, origin: str) -> tuple[Conversation, Conversa
     chosen = _messages(record[CHOSEN], CHOSEN, "assistant")
     rejected = _messages(record[REJECTED], REJECTED, "assistant")
     given = _messages(record["prompt"], "prompt", "user") if record.get("prompt") is not None else None
-    whole = all(any(role == "user" for role, _, _ in answer) for answer in (chosen, rejected))
+    # An answer missing is said before how the answers are given: the row lacks one either way.
+    _answer(chosen, CHOSEN)
+    _answer(rejected, REJECTED)
+    _same_form(chosen, rejected)
+    whole = _has_user(chosen)
     if given is not None and not whole:
         prompt = given
     else:
@@ -91,13 +119,16 @@ def pair_conversations(record: Any, origin: str) -> tuple[Conversation, Conversa
                 "`chosen` and `rejected` are whole conversations and `prompt` is not their shared first messages; "
                 "drop `prompt`, or give only the answers in `chosen` and `rejected`",
             )
-    if not any(role == "user" for role, _, _ in prompt):
+    if not _has_user(prompt):
         raise SampleError(
             "missing prompt",
             "no user message before the answers (give `prompt`, or start both "
             "`chosen` and `rejected` with the same user message)",
         )
     chosen, rejected = _answer(chosen, CHOSEN), _answer(rejected, REJECTED)
+    _blank(prompt, "empty prompt", "`prompt`" if given is not None and not whole else "the shared prompt")
+    _blank(chosen, "empty answer", f"`{CHOSEN}`")
+    _blank(rejected, "empty answer", f"`{REJECTED}`")
     if [m[:2] for m in chosen] == [m[:2] for m in rejected]:
         raise SampleError("identical answers", "`chosen` and `rejected` are the same; the pair teaches nothing")
     history = [(role, content, False) for role, content, _ in prompt]

@@ -223,6 +223,7 @@ def setup(
     fault = injected_fault()
     if fault is not None:  # the hang and resume tests' faults, around the engine and the data
         injector = FaultInjector(fault, info.rank, watchdog)
+        injector.watch_phases()
         engine = injector.wrap_engine(engine)
         plain_steps = steps_from
 
@@ -234,7 +235,7 @@ def setup(
     validation = validation_split(cfg, data, tokenizer, layout)
     precompute = None
     if cfg.train.objective == "dpo" and cfg.reference == "precompute":
-        precompute = reference_tables(cfg, engine, data, validation, tokenizer.pad_token_id, layout, work_dir, watchdog)
+        precompute = reference_tables(cfg, engine, data, validation, tokenizer, layout, work_dir, watchdog)
         precompute = partial(precompute, say=say, is_main=info.is_main)
     objective = build_objective(
         engine, cfg.train.precision, balance, cfg.train.objective, cfg.preference, precompute, reference_model

@@ -23,7 +23,19 @@ from tuneforge.errors import UserError
 LOCK_FILE = ".tuneforge.lock"
 RUN_FILE = "run.json"
 PREVIOUS_RUNS = "previous-runs"
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "samples.jsonl", "eval.json", "plot.png", "diagnostics", RUN_FILE)
+REFERENCE = "reference"
+"""DPO's precomputed reference (`tuneforge.train.reference`): keyed by the model and the data and checked when
+read, so a fresh run may reuse it; archived with the run that computed it."""
+RUN_OUTPUTS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "eval.json",
+    "plot.png",
+    "diagnostics",
+    REFERENCE,
+    RUN_FILE,
+)
 """What a run writes into its work dir (and what `--archive-previous` moves away)."""
 
 
@@ -111,7 +123,7 @@ def previous_outputs(work_dir: Path) -> list[str]:
     checkpoints = work_dir / "checkpoints"
     if "checkpoints" in found and not any(checkpoints.iterdir()):
         found.remove("checkpoints")
-    return [name for name in found if name not in ("diagnostics", RUN_FILE)]
+    return [name for name in found if name not in ("diagnostics", REFERENCE, RUN_FILE)]
 
 
 def start_run(work_dir: Path, resume: str | None, archive: bool) -> tuple[str, str]:
@@ -131,10 +143,11 @@ def start_run(work_dir: Path, resume: str | None, archive: bool) -> tuple[str, s
             )
         destination = work_dir / PREVIOUS_RUNS / time.strftime("%Y%m%d-%H%M%S")
         destination.mkdir(parents=True)
-        for name in RUN_OUTPUTS:
-            if (work_dir / name).exists():
-                shutil.move(str(work_dir / name), str(destination / name))
-        note = f"work dir: the previous run's {', '.join(found)} moved to {destination}"
+        moved = [name for name in RUN_OUTPUTS if (work_dir / name).exists()]
+        for name in moved:
+            shutil.move(str(work_dir / name), str(destination / name))
+        named = found + ([f"{REFERENCE}/"] if REFERENCE in moved else [])
+        note = f"work dir: the previous run's {', '.join(named)} moved to {destination}"
     run_id = uuid.uuid4().hex[:12]
     written = record.with_name(record.name + ".tmp")
     written.write_text(json.dumps({"run_id": run_id, "started": time.time()}), encoding="utf-8")
