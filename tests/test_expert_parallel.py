@@ -239,3 +239,44 @@ def test_autoep_layers_compute_and_are_written_back_as_the_models_own(tmp_path, 
             assert_same_weights(hugging_face_state_dict(engine.module, group, True, before), before, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+LORA_REFUSAL = "parallel.expert_parallel: LoRA under expert parallelism is not supported"
+
+
+def test_the_doctors_refusal_of_expert_parallelism_says_its_reason_once(tokenizer, monkeypatch):
+    """The doctor's check carries its reasons, each with its fix, and no separate fix: the run's refusal says
+    them (it once said `expert parallelism: ` and nothing more), as a refusal the ranks agreed on (rank 0 alone
+    prints it), naming the rank where only another one failed."""
+    from tuneforge.errors import SharedUserError
+    from tuneforge.train import run
+
+    lora = Config.model_validate({**config(expert_parallel=2).model_dump(), "model": {
+        "architecture": "deepseek_v2", "tokenizer": "bytes", "lora": {"r": 8}}})  # fmt: skip
+    rank0 = DistInfo(0, 2, 0, torch.device("cpu"))
+    said = []
+    monkeypatch.setattr(run, "gather_objects", lambda value, info: [value, value])  # both ranks find it
+    with pytest.raises(SharedUserError) as refused:
+        run.preflight(lora, "deepspeed", rank0, tokenizer, 8, said.append)
+    message = str(refused.value)
+    assert message.startswith(f"doctor: expert parallelism: {LORA_REFUSAL}") and "\n" not in message
+    assert message.endswith("(watchdog.doctor=warn to go on)") and "FAIL  expert parallelism" in said[0]
+    monkeypatch.setattr(run, "gather_objects", lambda value, info: ["", value])  # rank 1 alone
+    with pytest.raises(SharedUserError, match=r"^doctor \(rank 1\): expert parallelism: "):
+        run.preflight(lora, "deepspeed", rank0, tokenizer, 8, said.append)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("override", "refusal"),
+    [
+        ("model.lora={r: 4}", f"doctor: expert parallelism: {LORA_REFUSAL}"),  # the doctor's, from the model
+        ("parallel.engine=ddp", "parallel.expert_parallel needs parallel.engine=deepspeed"),  # the engine's
+    ],
+)
+def test_a_refusal_every_rank_meets_is_said_once_with_its_reason(tmp_path, override, refusal):
+    write_job(tmp_path)
+    result = launch(tmp_path / "cfg.yaml", tmp_path / "run", override, ranks=2)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {refusal}"), errors

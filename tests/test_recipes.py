@@ -66,3 +66,21 @@ def test_recipes_are_listed_copied_without_overwriting_and_shown_with_the_doctor
     assert shown.startswith("# recipe: Llama-3-8B-Instruct QLoRA")
     assert "doctor, for 1 x h100 on the published shapes of its model (llama-3-8b.config.json):" in shown
     assert "PASS  memory estimate" in shown and "of 80 per GPU (H100 80GB)" in shown
+
+
+def test_recipes_copy_never_writes_through_a_symbolic_link(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    elsewhere = tmp_path / "elsewhere.yaml"  # where a dangling link points: must stay absent
+    (tmp_path / "dangling.yaml").symlink_to(elsewhere)
+    assert main(["recipes", "copy", "llama-3-8b-lora-1gpu", "dangling.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: dangling.yaml is a symbolic link; name another file, or remove the link first\n"
+    assert not elsewhere.exists() and (tmp_path / "dangling.yaml").is_symlink()
+
+    kept = tmp_path / "kept.yaml"
+    kept.write_text("mine\n")
+    (tmp_path / "link.yaml").symlink_to(kept)  # a link to an existing file: refused the same, the file untouched
+    assert main(["recipes", "copy", "llama-3-8b-lora-1gpu", "link.yaml"]) == 2
+    assert "link.yaml is a symbolic link" in capsys.readouterr().err and kept.read_text() == "mine\n"
+    assert main(["recipes", "copy", "llama-3-8b-lora-1gpu", "kept.yaml"]) == 2  # a regular file: never overwritten
+    assert "kept.yaml exists" in capsys.readouterr().err and kept.read_text() == "mine\n"

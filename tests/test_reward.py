@@ -19,7 +19,16 @@ from tuneforge.data.batching import collate
 from tuneforge.train.loop import accumulate_gradients
 from tuneforge.train.objectives import build_objective
 
-from conftest import TINY_DENSE, TINY_LLAMA, launch, single_engine, train_here, tuneforge_here, write_jsonl
+from conftest import (
+    TINY_DENSE,
+    TINY_LLAMA,
+    launch,
+    single_engine,
+    tiny_llama,
+    train_here,
+    tuneforge_here,
+    write_jsonl,
+)
 
 
 def tiny_reward_model(tokenizer, seed: int = 0) -> LlamaForSequenceClassification:
@@ -143,6 +152,46 @@ def test_a_reward_model_trained_through_the_cli_exports_a_sequence_classifier_th
     assert ours == pytest.approx(expected, abs=1e-5)
     chat = tuneforge_here("chat", str(final), "--prompt", "hi")
     assert chat.returncode == 2 and "a reward model (train.objective: reward) scores conversations" in chat.stderr
+
+
+@pytest.mark.slow
+def test_lora_reward_adapters_of_a_published_model_load_in_peft_as_the_readme_says(tmp_path, tokenizer):
+    """A base saved as published chat models are (a causal LM's config: no label count, no pad token): PEFT's
+    `AutoPeftModelForSequenceClassification` builds the base from the config the adapters name, so that config
+    must say one label and the pad token, or the score head does not load (two rows) and scores are read
+    elsewhere. The user's model directory is left as it was."""
+    from peft import AutoPeftModelForSequenceClassification
+
+    from tuneforge.trained import load_trained
+
+    base = tiny_llama(tokenizer)
+    base.config.pad_token_id = None
+    base.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    published = (tmp_path / "base" / "config.json").read_text()
+    write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(8)])
+    (tmp_path / "cfg.yaml").write_text(
+        f"model: {{path: {tmp_path / 'base'}, lora: {{r: 4, alpha: 8}}}}\n"
+        + """data: {train_files: [pairs.jsonl], cache_dir: null, max_length: 256}
+train: {objective: reward, lr: 1.0e-2, micro_batch_size: 4, max_steps: 2, precision: fp32}
+checkpoint: {every_steps: 0}
+log: {progress: lines, plot: false}
+"""
+    )
+    run = train_here(tmp_path / "cfg.yaml", tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    final = tmp_path / "run" / "checkpoints" / "final"
+
+    loaded = AutoPeftModelForSequenceClassification.from_pretrained(final).eval()  # the README's call, as it is
+    ours = load_trained(final).model
+    data = pair_data(tmp_path / "run", tokenizer, [pair(i) for i in range(100, 103)]).data
+    conversations = [data.sample(k)[0].tolist() for k in range(6)]  # of several lengths: padded in one batch
+    expected = scores_of(ours, tokenizer, conversations)
+    assert scores_of(loaded, tokenizer, conversations) == pytest.approx(expected, abs=1e-5)
+    objective = build_objective(single_engine(ours), "fp32", objective="reward", preference=PreferenceConfig())
+    packed = objective.scores(collate(data, [list(range(6))], tokenizer.pad_token_id, True)).tolist()
+    assert packed == pytest.approx(expected, abs=1e-5)  # where training reads each score
+    assert (tmp_path / "base" / "config.json").read_text() == published
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from tuneforge.pickle_guard import UNRESOLVED, pickle_globals, refuse_unsafe_pic
 from tuneforge.train.checkpoint import MANIFEST
 from tuneforge.train.state import load_rng
 
-from conftest import TINY_LLAMA, TUNEFORGE, chat, train_here, write_jsonl
+from conftest import TINY_LLAMA, TUNEFORGE, chat, train_here, tuneforge_here, write_jsonl
 
 
 class RunsACommand:
@@ -342,3 +342,48 @@ def test_exporting_an_adapter_never_runs_the_tokenizer_code_it_names(tmp_path, t
     assert not marker.exists()
     assert result.returncode == 2 and f"{adapter}: the tokenizer cannot be loaded" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_training_on_a_model_folder_with_its_own_code_is_refused_in_one_line(tmp_path, tokenizer):
+    """The folder's code never runs; train (with and without the doctor), doctor, chat and export each say why
+    in one line."""
+    marker = tmp_path / "ran"
+    code_running_model(tmp_path / "model", marker)
+    tokenizer.save_pretrained(tmp_path / "model")
+    save_file({"w": torch.zeros(1)}, tmp_path / "model" / "model.safetensors")
+    write_jsonl(tmp_path / "train.jsonl", [chat("question", "answer")])
+    config = tmp_path / "cfg.yaml"
+    config.write_text("model: {path: model}\ndata: {train_files: [train.jsonl], cache_dir: null}\n")
+    refusal = (
+        f"error: model.path: {tmp_path / 'model'} needs its own Python code (evil_config.py, named by auto_map in "
+        "its config.json): transformers does not implement model_type 'evil'"
+    )
+    for command in (
+        ["train", str(config), "--work-dir", str(tmp_path / "run")],
+        ["train", str(config), "--work-dir", str(tmp_path / "run"), "watchdog.doctor='off'"],
+        ["doctor", str(config)],
+    ):
+        result = tuneforge_here(*command)
+        assert result.returncode == 2, result.stderr[-2000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [result.stderr.strip().splitlines()[-1]] and errors[0].startswith(refusal), result.stderr
+        assert "set model.trust_remote_code=true if you trust that code" in errors[0]
+        assert "Traceback" not in result.stderr and not marker.exists()
+    model = str(tmp_path / "model")
+    for command in (["chat", model, "--prompt", "hi"], ["export", model, "--out", str(tmp_path / "out")]):
+        result = tuneforge_here(*command)
+        assert result.returncode == 2 and "pass --trust-remote-code" in result.stderr and not marker.exists()
+
+
+def test_training_on_a_model_type_transformers_lacks_is_refused_in_one_line(tmp_path, tokenizer):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "nothing_known", "hidden_size": 8}))
+    tokenizer.save_pretrained(tmp_path / "model")
+    write_jsonl(tmp_path / "train.jsonl", [chat("question", "answer")])
+    (tmp_path / "cfg.yaml").write_text("model: {path: model}\ndata: {train_files: [train.jsonl], cache_dir: null}\n")
+    result = train_here(tmp_path / "cfg.yaml", tmp_path / "run")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: model.path: {tmp_path / 'model'} has model_type 'nothing_known', which this transformers does not "
+        "implement, and no code of its own (no auto_map in its config.json); use a model transformers implements"
+    )

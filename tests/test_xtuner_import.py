@@ -15,7 +15,7 @@ from tuneforge.config.load import load_config
 from tuneforge.errors import UserError
 from tuneforge.xtuner.mapping import import_config, to_yaml
 
-from conftest import REPO, TUNEFORGE, free_port
+from conftest import REPO, TUNEFORGE, free_port, tuneforge_here
 
 REPORT = REPO.parent / "shared" / "seed" / "xtuner_deepseek_v2_lite_qlora_zero3.py"
 # The report's own config when ../shared is next to the checkout; else a config of the same job shape.
@@ -41,6 +41,7 @@ def test_the_seed_config_maps_completely():
     assert (train["micro_batch_size"], train["gradient_accumulation"], train["epochs"]) == (1, 16, 10)
     assert (train["lr"], train["betas"], train["weight_decay"], train["max_grad_norm"]) == (2e-4, [0.9, 0.999], 0, 1)
     assert train["warmup_ratio"] == pytest.approx(0.03) and train["schedule"] == "cosine"
+    assert train["precision"] == "auto"  # AmpOptimWrapper: mixed precision where the hardware computes it
     assert config["parallel"] == {"engine": "deepspeed", "zero_stage": 3, "cpu_offload": "all"}
     # Iterations become optimizer steps: 500 / 16 and 100 / 16.
     assert config["checkpoint"] == {"every_steps": 31, "keep_last": 2}
@@ -522,3 +523,19 @@ def test_the_original_job_runs_to_the_end_at_cpu_scale(original_job, variant, ex
     assert {s["step"] for s in samples} == {2, 4, 5} and len(samples) == 6
     losses = [json.loads(line)["loss"] for line in (work / "metrics.jsonl").open()]
     assert len(losses) == 5 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_xtuners_mixed_precision_imports_as_auto_never_as_bf16_a_cpu_would_emulate(tmp_path, dtype):
+    text = SEED.read_text()
+    wrapper = text.index("type=AmpOptimWrapper")
+    start = text.index("float16", wrapper)  # the wrapper's dtype
+    source = tmp_path / "cfg.py"
+    source.write_text(text[:start] + dtype + text[start + len("float16") :])
+    out = tmp_path / "out.yaml"
+    result = tuneforge_here("import-xtuner", str(source), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert load_config(out).train.precision == "auto"
+    (note,) = [line for line in result.stdout.splitlines() if "AmpOptimWrapper" in line]
+    assert f"AmpOptimWrapper dtype {dtype}" in note and "-> train.precision auto: bf16 where the hardware" in note
+    assert ("train.precision=fp16" in note) == (dtype == "float16")  # xtuner's fp16 stays one setting away

@@ -64,8 +64,10 @@ def model_skeleton(
 ) -> nn.Module | None:
     """The model's modules with meta tensors (shapes only), or None when its config cannot be read.
     `model_config` (a local config.json) replaces reading the config from `model.path`."""
-    from tuneforge.model.build import _fresh_config
+    from tuneforge.model.build import _fresh_config, check_model_code
 
+    if model_config is None:
+        check_model_code(cfg.model)  # a folder whose code would run: refused in one line, as train refuses it
     try:
         if model_config is not None:
             config = read_model_config(model_config)

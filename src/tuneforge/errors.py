@@ -10,8 +10,9 @@ class UserError(Exception):
 
 
 class SharedUserError(UserError):
-    """A problem every rank met together (they agreed on it in a collective): printed once, by rank 0, and not
-    again when `said` (rank 0 printed it before the ranks stopped together)."""
+    """A problem every rank met together (they agreed on it in a collective, or found it in what they all hold
+    alike: the config, the world size): printed once, by rank 0, and not again when `said` (rank 0 printed it
+    before the ranks stopped together)."""
 
     def __init__(self, message: str, said: bool = False):
         super().__init__(message)

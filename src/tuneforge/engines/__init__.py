@@ -7,7 +7,7 @@ import torch
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, OptimizerFactory
-from tuneforge.errors import UserError
+from tuneforge.errors import SharedUserError, UserError
 from tuneforge.model.moe import MoEMap
 
 
@@ -17,7 +17,9 @@ def choose_engine(requested: str, info: DistInfo, parallel: ParallelConfig | Non
     if requested == "auto":
         chosen = "ddp" if info.distributed else "single"
     elif requested == "single" and info.distributed:
-        raise UserError(f"parallel.engine=single cannot run in {info.world_size} processes; use ddp, fsdp or auto")
+        raise SharedUserError(
+            f"parallel.engine=single cannot run in {info.world_size} processes; use ddp, fsdp or auto"
+        )
     elif requested != "single" and not info.distributed:
         raise UserError(
             f"parallel.engine={requested} needs several processes; add --nproc-per-node N, or use single or auto"
@@ -29,8 +31,8 @@ def choose_engine(requested: str, info: DistInfo, parallel: ParallelConfig | Non
     problems = engine_class(chosen).setting_problems(parallel)
     if parallel.expert_parallel > 1 and not engine_class(chosen).shards_experts:
         problems.append(f"parallel.expert_parallel needs parallel.engine=deepspeed (DeepSpeed's AutoEP), not {chosen}")
-    if problems:
-        raise UserError("; ".join(problems))
+    if problems:  # from the config and the world size alone: every rank finds the same, rank 0 says it
+        raise SharedUserError("; ".join(problems))
     return chosen
 
 

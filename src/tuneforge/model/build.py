@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from tuneforge.data.byte_tokenizer import build_byte_tokenizer
 from tuneforge.distributed import DistInfo, barrier, gather_objects
 from tuneforge.errors import UserError
 from tuneforge.model import packed_attention
+from tuneforge.model.own_code import own_code_problem
 from tuneforge.model.quantize import (
     bitsandbytes_config,
     check_cpu_kernel_sizes,
@@ -90,6 +93,13 @@ def model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pretra
     if cfg.architecture is not None:
         return _fresh_config(cfg, tokenizer)
     return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+
+
+def check_model_code(cfg: ModelConfig) -> None:
+    """A `model.path` that cannot load without running its own code (see `tuneforge.model.own_code`), refused in
+    one line."""
+    if problem := own_code_problem(cfg.path, cfg.trust_remote_code):
+        raise UserError(problem)
 
 
 def _read_by_modeling_code(model_type: str, key: str) -> bool:
@@ -256,6 +266,7 @@ def build_model(
             if cfg.quantization is not None:
                 model = _load(str(base_dir), cfg, info.device, sharded_engine, info, scalar_head)
     else:
+        check_model_code(cfg)
         model = _load(cfg.path, cfg, info.device, sharded_engine, info, scalar_head)
     if cfg.attn_implementation == "sdpa" and model._can_set_attn_implementation():
         # A masked SDPA computes every packed row's whole square (and on GPUs loses the flash kernel): attend
@@ -263,12 +274,49 @@ def build_model(
         model.set_attn_implementation(packed_attention.register())
     if scalar_head:
         model.config.pad_token_id = tokenizer.pad_token_id  # transformers' scoring position needs it
+        if cfg.lora is not None and cfg.path is not None and base_dir is not None:
+            model.name_or_path = reward_base(cfg.path, base_dir, tokenizer.pad_token_id, info)
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise UserError(
             f"model.tokenizer: the tokenizer has {len(tokenizer)} tokens but the model embeds only "
             f"{model.get_input_embeddings().num_embeddings}; use the model's own tokenizer"
         )
     return model
+
+
+def reward_base(path: str, base_dir: Path, pad_token_id: int | None, info: DistInfo) -> str:
+    """The directory a reward model's adapters name as their base (PEFT records the model's `name_or_path`):
+    the model at `path` as tuneforge trains it, one label and the tokenizer's pad token in its config.json, its
+    other files links to `path`'s own. Loaders that build the base from its config alone (PEFT's
+    `AutoPeftModelForSequenceClassification`) then make the same one-row score head and read each score at the
+    same token; the causal LM's config says neither. `path` is never written to; a hub id is left as it is."""
+    source = Path(path)
+    if not source.is_dir() or source.resolve() == base_dir.resolve():
+        return path
+    if info.is_main:
+        _write_reward_base(source.resolve(), base_dir, pad_token_id)
+    barrier(info)
+    return str(base_dir.resolve())
+
+
+def _write_reward_base(source: Path, base_dir: Path, pad_token_id: int | None) -> None:
+    base_dir.mkdir(parents=True, exist_ok=True)
+    for old in base_dir.iterdir():  # an earlier run's links (a resumed run writes them again)
+        if old.is_symlink():
+            old.unlink()
+    for entry in source.iterdir():
+        if entry.name == "config.json":
+            continue
+        link = base_dir / entry.name
+        if link.is_dir():
+            shutil.rmtree(link)
+        elif link.exists():
+            link.unlink()
+        link.symlink_to(entry)
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config.pop("num_labels", None)  # transformers counts the labels from id2label
+    config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, pad_token_id=pad_token_id)
+    (base_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def build_frozen_copy(

@@ -15,7 +15,6 @@ A recipe is a YAML config whose first comment lines say what it is:
 from __future__ import annotations
 
 import difflib
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,12 +79,23 @@ def copy_recipe(recipe: Recipe, destination: Path | None) -> Path:
     target = destination or Path.cwd()
     if target.is_dir():
         target = target / recipe.path.name
+    if target.is_symlink():  # dangling or not: writing would land in the link's target, somewhere the user did not name
+        raise UserError(f"{target} is a symbolic link; name another file, or remove the link first")
     if target.exists():
         raise UserError(f"{target} exists; name another file, or remove it first")
     if not target.parent.is_dir():
         raise UserError(f"{target.parent} is not a directory; create it first")
     try:
-        shutil.copyfile(recipe.path, target)
+        write_new(target, recipe.path.read_bytes())
+    except FileExistsError:  # created (a file or a link) between the checks above and the write
+        raise UserError(f"{target} exists; name another file, or remove it first") from None
     except OSError as exc:  # an unwritable directory, a full disk
         raise UserError(f"{target}: cannot write the recipe ({exc.strerror or exc}); choose another place") from None
     return target
+
+
+def write_new(target: Path, content: bytes) -> None:
+    """`content` in a file created at `target`: exclusive creation fails on anything already there, a symbolic
+    link included (even a dangling one), so nothing is ever written through a link or over a file."""
+    with target.open("xb") as file:
+        file.write(content)

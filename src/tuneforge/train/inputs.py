@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 from tuneforge.config.schema import Config, ModelConfig
 from tuneforge.errors import UserError
+from tuneforge.model.own_code import own_code_problem
 from tuneforge.train.write_faults import nearest_existing
 
 HUB_TIMEOUT_S = 3.0
@@ -28,6 +29,7 @@ def check_inputs(cfg: Config, work_dir: Path) -> None:
     problems = [
         *_data_problems(cfg),
         *_model_problems(cfg.model),
+        *_own_code_problems(cfg.model),
         *writable_problems("--work-dir", work_dir),
         *_cache_problems(cfg),
         *_deepspeed_json_problems(cfg),
@@ -82,6 +84,12 @@ def _model_problems(model: ModelConfig) -> list[str]:
     if tokenizer not in (None, "bytes") and not (model.tokenizer is None and problems):
         problems += _source_problems("model.tokenizer" if model.tokenizer else "model.path", tokenizer, TOKENIZER_FILES)
     return problems
+
+
+def _own_code_problems(model: ModelConfig) -> list[str]:
+    """A model folder that would need its own Python code to load (see `tuneforge.model.own_code`)."""
+    problem = own_code_problem(model.path, model.trust_remote_code) if model.path is not None else None
+    return [problem] if problem else []
 
 
 def _looks_like_hub_id(value: str) -> bool:

@@ -22,7 +22,7 @@ from tuneforge.data.report import format_report, nothing_trains
 from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.diagnostics.stacks import exception_site
-from tuneforge.distributed import DistInfo, Layout, barrier, init_distributed
+from tuneforge.distributed import DistInfo, Layout, barrier, gather_objects, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
 from tuneforge.engines import EngineTraits, build_engine, choose_engine, engine_traits
 from tuneforge.engines.expert_parallel import expert_parallel_problems, expert_parallel_routers
@@ -295,14 +295,20 @@ def load_data(cfg: Config, tokenizer, template, info: DistInfo, say: Say) -> Pre
 
 
 def preflight(cfg: Config, engine_name: str, info: DistInfo, tokenizer, num_samples: int, say: Say) -> None:
-    """The doctor's checks; a failed one stops the run unless `watchdog.doctor=warn`."""
+    """The doctor's checks; a failed one stops the run unless `watchdog.doctor=warn`. The ranks agree on it first
+    (a check of a host's hardware may fail on one node alone), so they stop together and rank 0 says it once."""
     checks = run_checks(cfg, engine_name, info.world_size, tokenizer, num_samples)
     say(format_checks(checks))
+    if cfg.watchdog.doctor != "fail":
+        return
     failed = [c for c in checks if c.status == FAIL]
-    if failed and cfg.watchdog.doctor == "fail":
-        raise UserError(
-            "doctor: " + "; ".join(f"{c.name}: {c.fix}" for c in failed) + " (watchdog.doctor=warn to go on)"
-        )
+    # A check whose reason names its own fix (expert parallelism's) has no separate one: its reason is said.
+    refusal = "; ".join(f"{c.name}: {c.fix or c.detail}" for c in failed)
+    refusals = gather_objects(refusal, info)
+    rank, first = next(((r, text) for r, text in enumerate(refusals) if text), (0, ""))
+    if first:
+        where = f" (rank {rank})" if rank else ""
+        raise SharedUserError(f"doctor{where}: {first} (watchdog.doctor=warn to go on)")
 
 
 def trainable_model(

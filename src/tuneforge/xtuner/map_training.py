@@ -6,7 +6,7 @@ from typing import Any
 
 from tuneforge.errors import UserError
 from tuneforge.xtuner.evaluate import Call
-from tuneforge.xtuner.mapper_base import MapperBase, shown, type_name
+from tuneforge.xtuner.mapper_base import MapperBase, dtype_name, shown, type_name
 
 DEEPSPEED_PRESETS = {
     "deepspeed_zero1": {"engine": "deepspeed", "zero_stage": 1},
@@ -24,6 +24,25 @@ RUNTIME_NOT_NEEDED = {
     "resume": "use tuneforge train --resume auto",
     "train_cfg": "read for max_epochs / max_iters",
 }
+
+
+def amp_note(dtype: str | None, scale: Any) -> str:
+    """What xtuner's mixed precision (AmpOptimWrapper, float16 unless its dtype says otherwise) becomes.
+
+    Both dtypes map to `auto`, which is bf16 where the hardware computes it natively (GPUs that have it) and fp32
+    where a half precision would be emulated (bf16 on most CPUs is ~3x slower than fp32), so the intent, mixed
+    precision for speed, holds on every machine. float16 too: xtuner's config templates write it whatever the
+    GPU, bf16 computes as fast with no loss scaling, and CPUs emulate fp16 as well. Only on GPUs without bf16
+    (V100, T4) is fp16 the fast choice: there auto computes in fp32 and says so, and this note names
+    train.precision=fp16, xtuner's own numerics, for them."""
+    auto = "train.precision auto: bf16 where the hardware computes it natively, fp32 where it would be emulated"
+    if dtype == "bfloat16":
+        return f"AmpOptimWrapper dtype bfloat16 -> {auto} (most CPUs); train.precision=bf16 forces it everywhere"
+    return (
+        f"AmpOptimWrapper dtype {dtype or 'float16'} with loss_scale {scale!r} -> {auto} (most CPUs), and bf16 "
+        "needs no loss scaling; on GPUs without bf16, such as V100 or T4, set train.precision=fp16, which scales "
+        "dynamically as xtuner did"
+    )
 
 
 class TrainingMapping(MapperBase):
@@ -54,13 +73,8 @@ class TrainingMapping(MapperBase):
         dtype = self.take(wrapper, "dtype")
         scale = self.take(wrapper, "loss_scale")
         if type_name(wrapper.type) == "AmpOptimWrapper":
-            if dtype in (None, "float16"):
-                self.result.notes.append(
-                    f"AmpOptimWrapper dtype {dtype or 'float16'} with loss_scale {scale!r} -> train.precision bf16 "
-                    "(bf16 autocast needs no loss scaling; on GPUs without bf16 use train.precision=fp16, which "
-                    "scales dynamically)"
-                )
-            train["precision"] = "bf16"
+            train["precision"] = "auto"
+            self.result.notes.append(amp_note(dtype_name(dtype) if dtype is not None else "float16", scale))
         self.leftovers(wrapper, "optim_wrapper")
         return accumulation
 
