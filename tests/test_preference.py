@@ -357,10 +357,14 @@ def test_a_data_file_with_pairs_is_rejected_by_sft_in_the_library_too(tmp_path, 
         build_split("train", cfg, [str(path)], tokenizer, get_template(cfg.template))
 
 
+# Adam's epsilon well above float noise: with 1e-8 a gradient near zero whose sign another float order flips (2
+# ranks sum in another order than 1 process; AVX-512 reduces in another order than AVX2) moves its weight by a
+# whole learning rate. With 1e-3 such gradients move their weights by ~lr * g / 1e-3, while a real difference of
+# 1e-6 in any gradient still shows at atol 1e-5 after the 3 steps.
 PAIRED_JOB = """\
 model: {model}
 data: {{train_files: [pairs.jsonl], cache_dir: null}}
-train: {{objective: dpo, lr: 1.0e-2, warmup_steps: 1, precision: fp32, gradient_accumulation: 2, max_steps: 3}}
+train: {{objective: dpo, lr: 1.0e-2, eps: 1.0e-3, warmup_steps: 1, precision: fp32, gradient_accumulation: 2, max_steps: 3}}
 preference: {{beta: 0.5, sft_weight: 0.2}}
 checkpoint: {{every_steps: 0}}
 log: {{progress: lines}}
