@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,10 +19,14 @@ from tuneforge.diagnostics.files import STOPPED
 from tuneforge.diagnostics.report import REPORT, build_report
 from tuneforge.errors import UserError, first_line
 from tuneforge.launcher_watch import LAUNCHER_PID
-from tuneforge.watchdog import STALL_EXIT_CODE
+from tuneforge.watchdog import SAME_STOP_S, STALL_EXIT_CODE, STOP_SIGNALS
 
 USER_ERROR_EXIT = 2
 """What `tuneforge` exits with after printing a UserError."""
+SHUTDOWN_TIMEOUT_S = 7 * 24 * 3600
+"""torchrun's wait for the workers after a stop signal before it SIGKILLs them. Its default, 30 s, cut short a
+large model's stop checkpoint; the ranks bound their own stop (watchdog.stop_grace_s for the step, the save's
+limits), a second signal stops them at once, and a third kills them (`see_workers_out`)."""
 
 
 def launch_workers(
@@ -42,6 +47,7 @@ def launch_workers(
         f"--node-rank={node_rank}",
         f"--master-addr={master_addr}",
         f"--master-port={master_port}",
+        f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
         "--module",
         "tuneforge",
         *argv,
@@ -66,7 +72,9 @@ def launch_workers(
             f"{nnodes} node(s) with the same --nnodes, --master-addr and --master-port, each with its own --node-rank"
         ) from None
     except SignalException as exc:
-        # SIGTERM or SIGINT to the launcher: torchrun passed it on to the ranks and waited for them to stop.
+        # SIGTERM or SIGINT to the launcher: torchrun passed it on to the ranks and waited for them to stop, unless
+        # a second signal ended its wait.
+        see_workers_out(exc.sigval)
         if not _stopped_together(work_dir, started):
             print(f"tuneforge: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + exc.sigval
@@ -81,6 +89,64 @@ def launch_workers(
             return USER_ERROR_EXIT
         return STALL_EXIT_CODE if any(f.exitcode == STALL_EXIT_CODE for f in exc.failures.values()) else 1
     return 0
+
+
+def _live_children() -> list[int]:
+    """This process's children that have not ended: the local workers (torchrun's agent runs in this process)."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+        if int(parent) == me and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _signal_workers(workers: list[int], number: int) -> None:
+    for pid in workers:
+        try:
+            os.killpg(pid, number)  # each worker leads a session of its own, as torchrun starts them
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def see_workers_out(interrupting: signal.Signals) -> None:
+    """A second signal while torchrun waits for the workers to stop ends its wait (it raises from its signal
+    handler) but not the workers, which the first made finish the step and save a checkpoint, in sessions of their
+    own that a terminal's next Ctrl-C never reaches. Returning then left them working on without a launcher (and
+    the launcher-watch thread then ended them mid-save). So the launcher stays until they end, and passes each
+    signal on: the ranks take one within SAME_STOP_S of the last for the same request delivered twice (a double
+    Ctrl-C), a later one as a second request (stop at once); a third later one kills them."""
+    workers = _live_children()
+    if not workers:
+        return
+    received: list[int] = []
+    previous = {number: signal.signal(number, lambda n, _frame: received.append(n)) for number in STOP_SIGNALS}
+    print(
+        "tuneforge: waiting for the ranks to stop (send the signal again to stop them at once)",
+        file=sys.stderr,
+        flush=True,
+    )
+    passed = [time.monotonic()]
+    _signal_workers(workers, interrupting)
+    try:
+        while workers := _live_children():
+            while received:
+                number, now = received.pop(0), time.monotonic()
+                if len(passed) >= 2 and now - passed[-1] > SAME_STOP_S:
+                    print("tuneforge: stopping the ranks now (SIGKILL)", file=sys.stderr, flush=True)
+                    _signal_workers(workers, signal.SIGKILL)
+                else:
+                    _signal_workers(workers, number)
+                passed.append(now)
+            time.sleep(0.1)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def check_port_free(address: str, port: int) -> None:
