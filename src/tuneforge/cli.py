@@ -469,11 +469,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print("\n".join(describe_fields()))
     except UserError as exc:
-        from tuneforge.errors import SharedUserError
+        from tuneforge.errors import say_user_error
 
-        shared = isinstance(exc, SharedUserError)
-        if not shared or (not exc.said and int(os.environ.get("RANK", "0")) == 0):
-            print(f"error: {exc}", file=sys.stderr)
+        say_user_error(exc)  # once per launch, however many ranks met it
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

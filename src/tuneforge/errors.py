@@ -4,6 +4,18 @@ A ``UserError`` is printed as its message alone (no traceback) and exits with st
 Internal invariants use ``assert`` instead: those are our bugs, and the traceback helps.
 """
 
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+ERRORS_DIR_ENV = "TUNEFORGE_ERRORS_DIR"
+"""Set by `tuneforge train --nproc-per-node N` for its workers: a directory of the launcher's where each worker
+that stops on a UserError leaves it (`error-rank-N.json`), for the launcher to print each distinct one once."""
+
 
 class UserError(Exception):
     """A located, actionable problem with the user's config, data or command line."""
@@ -37,3 +49,35 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of an error's message (its type's name when it has none), cut to `limit` characters: how
     a library's multi-line error is quoted inside one of ours."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
+def say_user_error(exc: UserError) -> None:
+    """Print a UserError as `error: MESSAGE`, once per launch. Alone, or under a launcher other than ours
+    (torchrun, srun), every rank prints its own, except a SharedUserError: rank 0 prints that, unless it `said` it
+    already. Under `tuneforge train --nproc-per-node N` every rank also leaves it for the launcher, and only rank 0
+    prints: once the workers have ended the launcher prints what the other ranks met and rank 0 did not say, with
+    their ranks (`error: rank 3: ...`). A rank that cannot leave it there prints it itself."""
+    rank = int(os.environ.get("RANK", "0"))
+    shared = isinstance(exc, SharedUserError)
+    prints = not shared or (not exc.said and rank == 0)
+    directory = os.environ.get(ERRORS_DIR_ENV)
+    if directory and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        left = leave_user_error(Path(directory), rank, str(exc), shared, shared and exc.said)
+        prints = prints and (rank == 0 or not left)
+    if prints:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
+def leave_user_error(directory: Path, rank: int, message: str, shared: bool, said: bool) -> bool:
+    """Write one rank's UserError for the launcher (whole, by a rename); returns whether it was written. `shared`:
+    a SharedUserError (rank 0 says it), `said`: one rank 0 said before the ranks stopped."""
+    path = directory / f"error-rank-{rank}.json"
+    tmp = directory / f".{path.name}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({"rank": rank, "message": message, "shared": shared, "said": said}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return False
+    return True

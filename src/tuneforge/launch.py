@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from torch.distributed.run import run as elastic_run
 
 from tuneforge.diagnostics.files import STOPPED
 from tuneforge.diagnostics.report import REPORT, build_report
-from tuneforge.errors import UserError, first_line
+from tuneforge.errors import ERRORS_DIR_ENV, UserError, first_line
 from tuneforge.launcher_watch import LAUNCHER_PID
 from tuneforge.watchdog import SAME_STOP_S, STALL_EXIT_CODE, STOP_SIGNALS
 
@@ -40,7 +44,8 @@ def launch_workers(
 ) -> int:
     """Run `python -m tuneforge <argv>` in N workers per node; returns non-zero if any worker failed. When a
     worker fails without the watchdog's report (killed, crashed), the report is built here from the ranks'
-    heartbeats and exit statuses."""
+    heartbeats and exit statuses. A UserError is said once: by rank 0, and here for what the other ranks met
+    (`report_user_errors`), without torchrun's lines about the failed worker."""
     launcher_args = [
         f"--nproc-per-node={nproc_per_node}",
         f"--nnodes={nnodes}",
@@ -56,6 +61,47 @@ def launch_workers(
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers' way to tell this launcher from init as process 1
     if node_rank == 0:
         check_port_free(master_addr, master_port)
+    # Where the local workers leave their UserErrors (errors.say_user_error): this node's own, never a stale one.
+    errors_dir = Path(tempfile.mkdtemp(prefix="tuneforge-errors-"))
+    os.environ[ERRORS_DIR_ENV] = str(errors_dir)
+    quiet = QuietOnUserError(errors_dir)
+    ELASTIC_LOG.addFilter(quiet)
+    try:
+        return _run_workers(args, master_addr, master_port, nnodes, nproc_per_node, work_dir, errors_dir)
+    finally:
+        ELASTIC_LOG.removeFilter(quiet)
+        os.environ.pop(ERRORS_DIR_ENV, None)
+        shutil.rmtree(errors_dir, ignore_errors=True)
+
+
+ELASTIC_LOG = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+"""torchrun's logger of its workers' ends: `Sending process N closing signal SIGTERM` (to the ranks still running
+when one failed) and `failed (exitcode: N) local_rank: ...` (the first failure)."""
+
+
+class QuietOnUserError(logging.Filter):
+    """Drops torchrun's lines about the ranks' ends when they stopped on a UserError: the error says what happened
+    and the exit status is the launcher's. Any other failure keeps them, and the launcher's own report."""
+
+    def __init__(self, errors_dir: Path):
+        super().__init__()
+        self.errors_dir = errors_dir
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith("failed (exitcode:"):
+            return not (record.args and isinstance(record.args, tuple) and record.args[0] == USER_ERROR_EXIT)
+        if message.startswith("Sending process") and "closing signal" in message:
+            try:
+                return not any(self.errors_dir.glob("error-rank-*.json"))
+            except OSError:
+                return True
+        return True
+
+
+def _run_workers(
+    args, master_addr: str, master_port: int, nnodes: int, nproc_per_node: int, work_dir: Path | None, errors_dir: Path
+) -> int:
     started = time.time()
     try:
         elastic_run(args)
@@ -81,7 +127,7 @@ def launch_workers(
     except ChildFailedError as exc:
         if _stopped_together(work_dir, started):
             return exc.get_first_failure()[1].exitcode  # the ranks said why and how to resume
-        report_failure(exc, work_dir, nproc_per_node * nnodes, started)
+        report_failure(exc, work_dir, nproc_per_node * nnodes, started, errors_dir)
         # A configuration or data error and a stall keep their own status, as in one process; anything else is a
         # failure.
         first = exc.get_first_failure()[1].exitcode
@@ -175,8 +221,12 @@ def _stopped_together(work_dir: Path | None, started: float) -> bool:
     return marker.exists() and marker.stat().st_mtime >= started
 
 
-def report_failure(exc: ChildFailedError, work_dir: Path | None, world_size: int, started: float) -> None:
+def report_failure(
+    exc: ChildFailedError, work_dir: Path | None, world_size: int, started: float, errors_dir: Path | None = None
+) -> None:
     first_rank_failed, first = exc.get_first_failure()
+    if first.exitcode == USER_ERROR_EXIT and errors_dir is not None and report_user_errors(errors_dir):
+        return  # a configuration or data error, explained: not a hang
     print(f"tuneforge: rank {first_rank_failed} failed first (exit {first.exitcode})", file=sys.stderr)
     if work_dir is None or first.exitcode == USER_ERROR_EXIT:
         return  # a configuration or data error, already explained by the ranks: not a hang
@@ -194,3 +244,48 @@ def report_failure(exc: ChildFailedError, work_dir: Path | None, world_size: int
         report.write_text(text + "\n")
     except OSError as write_error:  # a full disk may be why the ranks failed: the report is printed anyway
         print(f"tuneforge: {report} not written ({write_error.strerror})", file=sys.stderr)
+
+
+def report_user_errors(errors_dir: Path) -> bool:
+    """Print the UserErrors the local ranks left (errors.say_user_error) that rank 0 did not say itself: each
+    distinct one once, with the ranks that met it (`error: ranks 1-3: ...`); a shared one (every rank met it
+    together), which is rank 0's to say, only when rank 0 left nothing here (killed first, or on another node), and
+    without ranks. Returns whether any rank left one: then every one has been said."""
+    left: dict[int, dict] = {}
+    for path in errors_dir.glob("error-rank-*.json"):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            left[int(record["rank"])] = {
+                "message": str(record["message"]),
+                "shared": bool(record["shared"]),
+                "said": bool(record.get("said")),
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    rank_0 = left.get(0)
+    pending: dict[tuple[str, bool], list[int]] = {}
+    for rank in sorted(left):
+        record = left[rank]
+        if rank_0 is not None and (record["shared"] or record["message"] == rank_0["message"]):
+            continue  # rank 0 printed its own error, and says (or said) a shared one
+        if record["said"]:
+            continue
+        pending.setdefault((record["message"], record["shared"]), []).append(rank)
+    for (message, shared), ranks in pending.items():
+        where = "" if shared else f"{rank_list(ranks)}: "
+        print(f"error: {where}{message}", file=sys.stderr, flush=True)
+    return bool(left)
+
+
+def rank_list(ranks: list[int]) -> str:
+    """`rank 3`, `ranks 1, 3`, `ranks 1-7, 9`: sorted ranks, runs of three or more as ranges."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    parts = []
+    for run in runs:
+        parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(r) for r in run]
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(parts)}"

@@ -46,6 +46,7 @@ from tuneforge.diagnostics.files import (
 )
 from tuneforge.diagnostics.recorder import RECORDER, CollectiveRecorder
 from tuneforge.diagnostics.stacks import thread_stacks
+from tuneforge.errors import ERRORS_DIR_ENV
 
 STALL_EXIT_CODE = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -74,6 +75,13 @@ def _gone(peer: dict, now: float) -> bool:
     if alive is None:
         return now - peer["updated"] > GONE_AFTER_S
     return not alive or process_state(int(peer["pid"])) in ("T", "t", "Z")
+
+
+def _a_rank_met_a_user_error() -> bool:
+    """Another rank stopped on a mistake in the config or data, which the launcher prints once the ranks ended: the
+    stop that follows is its consequence, and a hint to resume would mislead."""
+    directory = os.environ.get(ERRORS_DIR_ENV)
+    return bool(directory) and any(Path(directory).glob("error-rank-*.json"))
 
 
 class StallWatchdog:
@@ -379,7 +387,7 @@ class StallWatchdog:
             deadline = time.monotonic() + 10
             while not (self.diagnostics_dir / f"rank-{self.rank}.json").exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
-        if self.rank == 0:
+        if self.rank == 0 and not _a_rank_met_a_user_error():
             where = f"step {self.step}" if self.step else f"phase {self.phase}, before the first step"
             print(
                 f"tuneforge: {detail}, at {where}; --resume auto continues from the newest step checkpoint, if any",
