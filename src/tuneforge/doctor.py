@@ -292,7 +292,7 @@ def check_samples(cfg: Config, world_size: int, num_samples: int | None) -> Chec
         return Check(name, PASS, "data not read")
     groups = world_size // cfg.parallel.sequence_parallel  # the ranks of a sequence-parallel group share rows
     per_step = groups * cfg.train.micro_batch_size
-    unit = "pairs" if cfg.paired else "samples"  # what train.micro_batch_size counts
+    unit = cfg.objective.sample_word  # what train.micro_batch_size counts
     if num_samples < per_step:
         return Check(
             name,

@@ -7,17 +7,18 @@ model is built, so a typo costs seconds, not a cluster allocation.
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tuneforge.config.data_sections import DataConfig, TemplateConfig
 from tuneforge.config.model_sections import LoraSettings, ModelConfig, QuantizationConfig
+from tuneforge.config.objectives import OBJECTIVES, ObjectiveSpec, objective_spec
 from tuneforge.config.section import Section
 
 __all__ = [
-    "PAIRED_OBJECTIVES",
     "CheckpointConfig",
     "Config",
     "DataConfig",
@@ -99,10 +100,11 @@ class TrainConfig(Section):
     """MoE models: weight of the router load-balancing loss added to the training loss (it equals top_k when
     routing is balanced). None takes the model config's `router_aux_loss_coef`, else 0.001; 0 turns it off."""
 
-    objective: Literal["sft", "dpo", "orpo", "reward"] = "sft"
+    objective: str = "sft"
     """What a step minimises: `sft` the cross-entropy of the answers; `dpo` and `orpo` a preference loss over
     pairs of a chosen and a rejected answer; `reward` trains a reward model (a scalar score per conversation)
-    to rank each pair's chosen answer above the rejected one (`preference:`; the data then holds pairs)."""
+    to rank each pair's chosen answer above the rejected one (`preference:`; the data then holds pairs). Each
+    is described in `tuneforge.config.objectives`."""
 
     max_nonfinite_steps: int = Field(3, ge=1)
     """A step whose loss or gradient norm is not finite is skipped and reported with its samples; the run stops
@@ -120,6 +122,15 @@ class TrainConfig(Section):
     seed: int = Field(42, ge=0)
     """Seed for model init, shuffling and dropout: the same seed gives the same run on CPU."""
 
+    @field_validator("objective")
+    @classmethod
+    def _known_objective(cls, name: str) -> str:
+        if name not in OBJECTIVES:
+            close = difflib.get_close_matches(name, list(OBJECTIVES), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown objective {name!r}{hint}; one of {', '.join(OBJECTIVES)}")
+        return name
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if not all(0.0 <= b < 1.0 for b in self.betas):
@@ -130,10 +141,6 @@ class TrainConfig(Section):
         if power != int(power):
             raise ValueError(f"`train.initial_loss_scale` must be a power of two, got {self.initial_loss_scale}")
         return self
-
-
-PAIRED_OBJECTIVES = ("dpo", "orpo", "reward")
-"""Objectives trained on pairs of a chosen and a rejected answer."""
 
 
 class PreferenceConfig(Section):
@@ -350,40 +357,23 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_objective(self) -> Config:
-        if self.train.objective == "dpo" and self.model.lora is None and self.preference.reference == "adapters":
-            raise ValueError(
-                "preference.reference: adapters needs model.lora (the reference is the base with the adapters "
-                "disabled); for full fine-tuning use preference.reference: precompute (or auto)"
-            )
-        if self.train.objective == "dpo" and self.preference.reference == "model" and self.parallel.expert_parallel > 1:
-            raise ValueError(
-                "preference.reference: model is not built under parallel.expert_parallel (a second AutoEP model); "
-                "use preference.reference: precompute (expert parallelism trains every weight, so adapters, "
-                "and a reference made by disabling them, are not available there)"
-            )
-        if self.train.objective in ("orpo", "reward") and self.preference.reference != "auto":
-            # ORPO's odds ratio and a reward model's ranking compare the policy's own answers: no reference.
-            raise ValueError(
-                f"preference.reference: {self.preference.reference} does nothing with train.objective: "
-                f"{self.train.objective}, which has no reference model (only dpo has one); remove "
-                "preference.reference, or set train.objective: dpo"
-            )
-        if self.train.objective == "reward" and (self.eval.sample_prompts or self.eval.exact_match is not None):
-            raise ValueError(
-                "train.objective: reward trains a scoring model, which does not write answers: remove "
-                "eval.sample_prompts and eval.exact_match (validation reports the ranking accuracy of held-out pairs)"
-            )
+        problems = self.objective.problems(self)
+        if problems:
+            raise ValueError(problems[0])
         return self
 
     @property
-    def reference(self) -> str:
-        """DPO's reference, resolved: `adapters` with LoRA (unless precompute is asked for), else `precompute`."""
-        asked = self.preference.reference
-        if asked == "auto":
-            return "adapters" if self.model.lora is not None else "precompute"
-        return asked
+    def objective(self) -> ObjectiveSpec:
+        """What `train.objective` is: its data, unit, head, reference and checks."""
+        return objective_spec(self.train.objective)
+
+    @property
+    def reference(self) -> str | None:
+        """The objective's reference, resolved (`auto`: the disabled adapters with LoRA, else precomputed); None
+        for an objective without one."""
+        return self.objective.reference(self)
 
     @property
     def paired(self) -> bool:
         """The data holds preference pairs (a chosen and a rejected answer per row), not conversations."""
-        return self.train.objective in PAIRED_OBJECTIVES
+        return self.objective.paired

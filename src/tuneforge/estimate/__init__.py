@@ -66,7 +66,7 @@ def estimate(
     else:
         steps = None
     before_training = None
-    if cfg.train.objective == "dpo" and cfg.reference == "precompute" and num_samples:
+    if cfg.objective.reference_pass(cfg) and num_samples:
         seconds = reference_pass_seconds(cfg, s, accelerator, math.ceil(num_samples / groups))
         what = f"the reference's log-probabilities of {num_samples:,} pairs (one forward pass, rows counted full)"
         before_training = (what, seconds)

@@ -169,7 +169,7 @@ def activation_rows(cfg: Config, s: ModelShapes, traits: EngineTraits, compute_b
         )
     ]
     head_wrapped = cfg.model.lora is not None and "lm_head" in (cfg.model.lora.modules_to_save or [])
-    if cfg.train.objective == "reward":  # a score head: one value per token, no vocabulary
+    if cfg.objective.scalar_head:  # a score head: one value per token, no vocabulary
         return rows
     if not traits.fuses_output_layer or head_wrapped:  # the model's own logits for the whole batch
         rows.append(Row(f"logits and loss: {tokens_micro} x {s.vocab}", tokens_micro * s.vocab * LOGITS_BYTES))

@@ -218,7 +218,7 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
 def frozen_copy(cfg: Config, s: ModelShapes) -> tuple[int, int]:
     """(k-bit values, other values) of DPO's frozen reference (`preference.reference: model`): the model before
     training, without adapters; (0, 0) without one."""
-    if cfg.train.objective != "dpo" or cfg.reference != "model":
+    if not cfg.objective.frozen_copy(cfg):
         return 0, 0
     return s.quantized, s.frozen + (s.trainable if cfg.model.lora is None else 0)
 

@@ -77,9 +77,9 @@ def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
         + (f", k-bit layers x{QUANTIZED_EFFICIENCY}" if s.active_quantized else "")
     )
     times = [("compute", compute, f"{flops_token / 1e9:.1f} GFLOP/token, {mfu_note}")]
-    if cfg.train.objective == "dpo" and cfg.reference in REFERENCE_FORWARDS:  # one more forward, no backward
-        reference = micro * tokens_micro * 2 * forward / rate
-        times.append(("reference forward", reference, REFERENCE_FORWARDS[cfg.reference]))
+    if extra := cfg.objective.extra_forwards(cfg):  # the reference's forward, no backward
+        reference = micro * tokens_micro * 2 * forward * extra / rate
+        times.append(("reference forward", reference, REFERENCE_FORWARDS.get(cfg.reference, "")))
     bandwidth = accelerator.memory_bytes_per_s or 2e12
     if s.stacked_adapted:  # W + B@A formed in full on every pass: memory-bound on the GPU
         delta_passes = 2 + (1 if train.gradient_checkpointing else 0)

@@ -33,6 +33,12 @@ def active_matmul_parameters(model: nn.Module, moe: MoEMap) -> float:
     return sum(shares.get(id(p), 1.0) * stored_numel(p) for p in model.parameters())
 
 
+def forward_flops_per_token(model: nn.Module, moe: MoEMap) -> float:
+    """The matmul FLOPs of a forward alone per token (2 per active parameter): what a reference model's forward
+    adds to a step (the base with adapters disabled, or a frozen copy of the same shape)."""
+    return 2 * active_matmul_parameters(model, moe)
+
+
 def model_flops_per_token(model: nn.Module, moe: MoEMap) -> float:
     """The matmul FLOPs a training step needs per token, attention scores left out: 2 per active parameter
     forward, 2 more for the gradient of its input, and 2 more for its own gradient only where it trains. Full

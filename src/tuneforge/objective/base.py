@@ -41,9 +41,7 @@ class LossTerms:
 
 
 class Objective(abc.ABC):
-    name: str
-    unit: str
-    """What the step's mean is over, for messages ("target tokens", "pairs")."""
+    """One objective's loss (what it is, its data and its unit: `tuneforge.config.objectives`)."""
 
     def __init__(
         self,

@@ -9,9 +9,6 @@ from tuneforge.objective.base import Metrics, Objective
 
 
 class CrossEntropy(Objective):
-    name = "sft"
-    unit = "target tokens"
-
     def count(self, batch: MicroBatch) -> int:
         return batch.num_targets
 

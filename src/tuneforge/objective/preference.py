@@ -136,7 +136,6 @@ def precomputed_reference(table: torch.Tensor, device: torch.device) -> Referenc
 
 
 class PairObjective(Objective):
-    unit = "pairs"
     metric_names = REWARD_METRICS
 
     def count(self, batch: MicroBatch) -> int:
@@ -163,8 +162,6 @@ class PairObjective(Objective):
 
 class DirectPreference(PairObjective):
     """DPO: -log sigmoid(beta * margin of the policy's log-ratio over the reference's), and its variants."""
-
-    name = "dpo"
 
     def __init__(
         self,
@@ -227,8 +224,6 @@ def dpo_losses(chosen: torch.Tensor, rejected: torch.Tensor, beta: float, loss_t
 class OddsRatioPreference(PairObjective):
     """ORPO: the chosen answer's mean token cross-entropy minus lambda * log sigmoid(log odds ratio of chosen
     over rejected), no reference model."""
-
-    name = "orpo"
 
     def __init__(
         self,

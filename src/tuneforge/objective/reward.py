@@ -88,8 +88,6 @@ class RewardRanking(PairObjective):
     """A reward model's loss: the ranking loss of each pair's scores plus `penalty_weight` times the penalty of
     both scores."""
 
-    name = "reward"
-
     def __init__(
         self,
         forward: TokenForward,

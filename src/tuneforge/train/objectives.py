@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,76 @@ from tuneforge.objective.preference import (
 from tuneforge.objective.reward import RewardRanking
 
 
+@dataclass(frozen=True)
+class ObjectiveInputs:
+    """What an objective is built from: the policy's forward and the run's settings and reference."""
+
+    engine: Engine
+    forward: TokenForward
+    precision: str
+    balance: RouterBalance | None
+    preference: PreferenceConfig
+    precompute: Callable[[TokenForward], torch.Tensor] | None
+    reference_model: FrozenModel | None
+
+
+def _cross_entropy(given: ObjectiveInputs) -> Objective:
+    return CrossEntropy(given.forward, given.balance, given.engine.sum_tensor_across_ranks)
+
+
+def _odds_ratio(given: ObjectiveInputs) -> Objective:
+    return OddsRatioPreference(
+        given.forward, given.preference.orpo_lambda, given.balance, given.engine.sum_tensor_across_ranks
+    )
+
+
+def _direct_preference(given: ObjectiveInputs) -> Objective:
+    forward, settings = given.forward, given.preference
+    if given.precompute is not None:
+        reference = precomputed_reference(given.precompute(forward), forward.device)
+    elif (frozen := given.reference_model) is not None:
+        frozen_forward = TokenForward(
+            frozen.module, frozen.plain, given.precision, frozen.fuses_output_layer, forward.device
+        )
+        reference = frozen_model_reference(frozen_forward, frozen.release)
+    elif hasattr(given.engine.unwrapped, "disable_adapter"):
+        reference = disabled_adapters_reference(forward, given.engine.unwrapped)
+    else:
+        raise ValueError("DPO needs a reference: LoRA adapters to disable, a precomputed table or a frozen model")
+    return DirectPreference(
+        forward,
+        reference,
+        settings.beta,
+        settings.loss_type,
+        settings.label_smoothing,
+        settings.sft_weight,
+        given.balance,
+        given.engine.sum_tensor_across_ranks,
+    )
+
+
+def _reward_ranking(given: ObjectiveInputs) -> Objective:
+    settings = given.preference
+    return RewardRanking(
+        given.forward,
+        given.engine.unwrapped.config.pad_token_id,
+        settings.reward_loss,
+        settings.penalty,
+        settings.penalty_weight,
+        given.balance,
+        given.engine.sum_tensor_across_ranks,
+    )
+
+
+BUILDERS: dict[str, Callable[[ObjectiveInputs], Objective]] = {
+    "sft": _cross_entropy,
+    "orpo": _odds_ratio,
+    "dpo": _direct_preference,
+    "reward": _reward_ranking,
+}
+"""Each objective of `tuneforge.config.objectives`, by name: what builds its loss."""
+
+
 def build_objective(
     engine: Engine,
     precision: str,
@@ -37,41 +108,7 @@ def build_objective(
     a frozen copy of the model before training (`Engine.frozen`)."""
     device = engine.info.device
     forward = TokenForward(engine.model, engine.unwrapped, precision, engine.traits.fuses_output_layer, device)
-    settings = preference or PreferenceConfig()
-    if objective == "sft":
-        return CrossEntropy(forward, balance, engine.sum_tensor_across_ranks)
-    if objective == "orpo":
-        return OddsRatioPreference(forward, settings.orpo_lambda, balance, engine.sum_tensor_across_ranks)
-    if objective == "dpo":
-        if precompute is not None:
-            reference = precomputed_reference(precompute(forward), forward.device)
-        elif reference_model is not None:
-            frozen = TokenForward(
-                reference_model.module, reference_model.plain, precision, reference_model.fuses_output_layer, device
-            )
-            reference = frozen_model_reference(frozen, reference_model.release)
-        elif hasattr(engine.unwrapped, "disable_adapter"):
-            reference = disabled_adapters_reference(forward, engine.unwrapped)
-        else:
-            raise ValueError("DPO needs a reference: LoRA adapters to disable, a precomputed table or a frozen model")
-        return DirectPreference(
-            forward,
-            reference,
-            settings.beta,
-            settings.loss_type,
-            settings.label_smoothing,
-            settings.sft_weight,
-            balance,
-            engine.sum_tensor_across_ranks,
-        )
-    if objective == "reward":
-        return RewardRanking(
-            forward,
-            engine.unwrapped.config.pad_token_id,
-            settings.reward_loss,
-            settings.penalty,
-            settings.penalty_weight,
-            balance,
-            engine.sum_tensor_across_ranks,
-        )
-    raise ValueError(f"unknown objective {objective!r}")
+    given = ObjectiveInputs(
+        engine, forward, precision, balance, preference or PreferenceConfig(), precompute, reference_model
+    )
+    return BUILDERS[objective](given)

@@ -39,7 +39,7 @@ from tuneforge.model.build import (
     model_config,
 )
 from tuneforge.model.compile import check_compiler, compile_elementwise
-from tuneforge.model.flops import model_flops_per_token
+from tuneforge.model.flops import forward_flops_per_token, model_flops_per_token
 from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.precision import with_precision
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
@@ -204,7 +204,7 @@ def setup(
     if cfg.parallel.expert_parallel > 1 and balance is not None:
         balance.rehook(expert_parallel_routers(engine.unwrapped))  # the engine replaced the MoE blocks
     reference_model = None
-    if cfg.train.objective == "dpo" and cfg.reference == "model":
+    if cfg.objective.frozen_copy(cfg):
         # Loaded once the engine holds the policy, so a sharding engine has freed the policy's whole copy first.
         copy = build_frozen_copy(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded)
         reference_model = engine.frozen(copy)
@@ -234,7 +234,7 @@ def setup(
         RECORDER.track_modules(engine.unwrapped)
     validation = validation_split(cfg, data, tokenizer, layout)
     precompute = None
-    if cfg.train.objective == "dpo" and cfg.reference == "precompute":
+    if cfg.objective.reference_pass(cfg):
         precompute = reference_tables(cfg, engine, data, validation, tokenizer, layout, work_dir, watchdog)
         precompute = partial(precompute, say=say, is_main=info.is_main)
     objective = build_objective(
@@ -316,7 +316,7 @@ def trainable_model(
 ) -> tuple[torch.nn.Module, MoEMap, RouterBalance | None, float]:
     """The loaded model made trainable (adapters or frozen parts), its MoE map (found on the base model before
     adapters wrap it), the router balance hooks, and the model FLOPs a token needs."""
-    scalar_head = cfg.train.objective == "reward"
+    scalar_head = cfg.objective.scalar_head
     model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded, scalar_head)
     architecture, model_config = type(model).__name__, model.config
     moe = find_moe(model)
@@ -337,7 +337,9 @@ def trainable_model(
     balance, balance_note = attach_router_balance(moe, model_config, cfg.train.router_aux_loss_coef)
     if balance_note:
         say(balance_note)
-    return model, moe, balance, model_flops_per_token(model, moe)  # counted before an engine shards it
+    # Counted before an engine shards it; a reference's forward (no backward) is work the step does too.
+    flops = model_flops_per_token(model, moe) + cfg.objective.extra_forwards(cfg) * forward_flops_per_token(model, moe)
+    return model, moe, balance, flops
 
 
 def check_disk_room(cfg: Config, work_dir: Path, total: int, trainable: int, say: Say) -> None:
@@ -385,7 +387,7 @@ def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | 
         ranks = f"{layout.data_size} data-parallel group(s) of {layout.size} ranks, each row split across a group"
     say(
         f"train: {trainer.total_steps} optimizer steps of {cfg.train.gradient_accumulation} x "
-        f"{cfg.train.micro_batch_size} {'rows' if cfg.data.packing else ('pairs' if cfg.paired else 'samples')} "
+        f"{cfg.train.micro_batch_size} {cfg.objective.batch_unit(cfg.data.packing)} "
         f"x {ranks} "
         f"= {global_batch} per step; lr {cfg.train.lr:g} ({cfg.train.schedule}, "
         f"{trainer.schedule.warmup_steps} warmup steps)"
@@ -393,7 +395,7 @@ def train_and_evaluate(parts: RunParts, info: DistInfo, say: Say, resume: str | 
     planner = parts.planner
     rows = len(planner.packed_rows) if planner.packed_rows is not None else len(planner.unit_lengths)
     if rows < global_batch:
-        unit = "rows" if cfg.data.packing else ("pairs" if cfg.paired else "samples")
+        unit = cfg.objective.batch_unit(cfg.data.packing)
         say(f"train: the data has {rows} {unit}, so a step takes {max(rows, layout.data_size)}, not {global_batch}")
     start = None
     if resume == "auto" and resume_dir is None:
@@ -480,7 +482,7 @@ def closing_summary(history: list[dict], work_dir: Path, cfg: Config) -> list[st
     final = checkpoints / "final"
     if cfg.checkpoint.save_final:
         lines.append(f"checkpoints: {checkpoints} (final model: {final})")
-        if cfg.train.objective != "reward":  # a reward model scores; it does not chat
+        if cfg.objective.writes_answers:  # a reward model scores; it does not chat
             lines.append(f"chat with it:  tuneforge chat {shlex.quote(str(final))}")
         merge = " --merge" if cfg.model.lora is not None else ""
         out = shlex.quote(str(work_dir / "export"))
