@@ -93,3 +93,20 @@ def test_a_toy_objective_registered_here_alone_trains_through_the_cli(tmp_path, 
         assert result.returncode == 0, result.stderr[-3000:]
         losses[objective] = metrics(tmp_path / objective)[0]["loss"]
     assert losses["half_sft"] == pytest.approx(losses["sft"] / 2, rel=1e-6)
+
+
+def test_building_a_model_inside_forked_rng_leaves_the_runs_stream_as_it_was():
+    import random
+
+    import torch
+
+    from tuneforge.train.run import forked_rng, seed_everything
+
+    seed_everything(7)
+    expected = (random.random(), torch.rand(3))
+    seed_everything(7)
+    with forked_rng(torch.device("cpu")):
+        torch.nn.Linear(64, 64)  # initialisation draws from the generator
+        random.random()
+    after = (random.random(), torch.rand(3))
+    assert after[0] == expected[0] and torch.equal(after[1], expected[1])

@@ -79,6 +79,7 @@ def test_the_reward_loss_of_a_batch_equals_its_definition_from_transformers_own_
     assert step.metrics["rewards/chosen"] == pytest.approx(sum(c for c, _ in scores) / 3, rel=1e-4, abs=1e-5)
     assert step.metrics["rewards/margin"] == pytest.approx(sum(c - r for c, r in scores) / 3, rel=1e-4, abs=1e-5)
     assert step.metrics["rewards/accuracy"] == pytest.approx(sum(c > r for c, r in scores) / 3)
+    assert not model.score._forward_hooks  # the score hook lives only while scores are taken
 
 
 def test_pairs_packed_in_one_row_score_and_train_as_in_rows_of_their_own(tmp_path, tokenizer):

@@ -103,20 +103,23 @@ class RewardRanking(PairObjective):
         self.loss_type = loss_type
         self.penalty = penalty
         self.penalty_weight = penalty_weight
-        self._outputs: list[torch.Tensor] = []
-        # The head's output at every position, taken as the engine's forward computes it (under ZeRO-3 or FSDP
-        # the head's weight is whole only inside that forward).
-        score_head(forward.plain).register_forward_hook(lambda _module, _args, output: self._outputs.append(output))
+        self._head = score_head(forward.plain)
 
     def scores(self, batch: MicroBatch, layout: AnswerLayout | None = None) -> torch.Tensor:
         """Each answer's score (fp32, on the model's device), in answer order. Under sequence parallelism the
         shard holding a conversation's scoring position gives it, and the group's shards add them up.
         `layout`: the batch's, when the caller has it already."""
         inputs = model_inputs(self.forward.plain, batch, self.forward.device)
-        self._outputs.clear()
-        with autocast(self.forward.precision, self.forward.device):
-            self.forward.model(**inputs, use_cache=False)
-        per_position = self._outputs.pop().reshape(-1)
+        # The head's output at every position, taken as the engine's forward computes it (under ZeRO-3 or FSDP
+        # the head's weight is whole only inside that forward), by a hook that lives only while scores are taken.
+        outputs: list[torch.Tensor] = []
+        hook = self._head.register_forward_hook(lambda _module, _args, output: outputs.append(output))
+        try:
+            with autocast(self.forward.precision, self.forward.device):
+                self.forward.model(**inputs, use_cache=False)
+        finally:
+            hook.remove()
+        per_position = outputs.pop().reshape(-1)
         local, held = local_positions(batch, self.pad_id)
         device = self.forward.device
         values = per_position.index_select(0, to_device(local, device)).float() * to_device(held.float(), device)

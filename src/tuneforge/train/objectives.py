@@ -31,7 +31,7 @@ class ObjectiveInputs:
     precision: str
     balance: RouterBalance | None
     preference: PreferenceConfig
-    precompute: Callable[[TokenForward], torch.Tensor] | None
+    reference_table: torch.Tensor | None
     reference_model: FrozenModel | None
 
 
@@ -47,8 +47,8 @@ def _odds_ratio(given: ObjectiveInputs) -> Objective:
 
 def _direct_preference(given: ObjectiveInputs) -> Objective:
     forward, settings = given.forward, given.preference
-    if given.precompute is not None:
-        reference = precomputed_reference(given.precompute(forward), forward.device)
+    if given.reference_table is not None:
+        reference = precomputed_reference(given.reference_table, forward.device)
     elif (frozen := given.reference_model) is not None:
         frozen_forward = TokenForward(
             frozen.module, frozen.plain, given.precision, frozen.fuses_output_layer, forward.device
@@ -92,23 +92,32 @@ BUILDERS: dict[str, Callable[[ObjectiveInputs], Objective]] = {
 """Each objective of `tuneforge.config.objectives`, by name: what builds its loss."""
 
 
+def policy_forward(engine: Engine, precision: str) -> TokenForward:
+    """The policy's per-token forward: its output layer fused with the loss where the engine leaves it whole."""
+    return TokenForward(engine.model, engine.unwrapped, precision, engine.traits.fuses_output_layer, engine.info.device)
+
+
 def build_objective(
     engine: Engine,
     precision: str,
     balance: RouterBalance | None = None,
     objective: str = "sft",
     preference: PreferenceConfig | None = None,
-    precompute: Callable[[TokenForward], torch.Tensor] | None = None,
+    reference_table: torch.Tensor | None = None,
     reference_model: FrozenModel | None = None,
 ) -> Objective:
-    """`objective` (`train.objective`) over `engine`'s model: its forward (output layer fused with the loss where
-    the engine leaves it whole), and the router balance loss of MoE models when `balance` is given, applied to
-    the policy's forward only. DPO's reference: the base with the adapters disabled; with `precompute` the
-    table of every answer's log-probability it computes with the model before training; with `reference_model`
-    a frozen copy of the model before training (`Engine.frozen`)."""
-    device = engine.info.device
-    forward = TokenForward(engine.model, engine.unwrapped, precision, engine.traits.fuses_output_layer, device)
+    """`objective` (`train.objective`) over `engine`'s model (`policy_forward`), with the router balance loss of
+    MoE models when `balance` is given, applied to the policy's forward only. DPO's reference: the base with the
+    adapters disabled; with `reference_table` every answer's log-probability under the model before training
+    (`train.reference.reference_pass`); with `reference_model` a frozen copy of the model before training
+    (`Engine.frozen`). Building does no work on the data."""
     given = ObjectiveInputs(
-        engine, forward, precision, balance, preference or PreferenceConfig(), precompute, reference_model
+        engine,
+        policy_forward(engine, precision),
+        precision,
+        balance,
+        preference or PreferenceConfig(),
+        reference_table,
+        reference_model,
     )
     return BUILDERS[objective](given)

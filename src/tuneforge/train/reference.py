@@ -29,7 +29,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tuneforge.config.schema import Config, ModelConfig
-from tuneforge.data.batching import MicroBatch
 from tuneforge.data.pipeline import PreparedData
 from tuneforge.data.tokenize import TokenizedData
 from tuneforge.distributed import Layout, gather_objects
@@ -38,6 +37,7 @@ from tuneforge.errors import first_line
 from tuneforge.model.transfer import to_device
 from tuneforge.objective import TokenForward
 from tuneforge.objective.preference import answer_log_probs, answer_of_targets
+from tuneforge.train.objectives import policy_forward
 from tuneforge.train.validate import validation_batches
 from tuneforge.watchdog import StallWatchdog
 
@@ -312,60 +312,58 @@ def reference_log_probs(
     return table
 
 
-def reference_tables(
+def reference_pass(
     cfg: Config,
     engine: Engine,
     data: PreparedData,
-    validation: list[MicroBatch] | None,
     tokenizer,
     layout: Layout,
     work_dir: Path,
     watchdog: StallWatchdog,
-) -> Callable[..., torch.Tensor]:
-    """DPO's precomputed reference, as one table: the train split's answers, then the validation split's (whose
-    batches' sample indices are moved past the train split's to look them up)."""
+    say: Callable[[str], None],
+) -> torch.Tensor:
+    """DPO's precomputed reference, as one table: every answer's log-probability under the model before training,
+    the train split's answers, then the validation split's (whose batches are built with their sample indices
+    past the train split's, `validation_split`). Read from the work dir where an intact table of the same key is
+    there, else computed in one pass over the ranks, heartbeat by heartbeat (phase `model`)."""
     splits = [("train", data.train.data)]
-    if validation is not None and data.validation is not None:
+    if data.validation is not None and len(data.validation.data):
         splits.append(("validation", data.validation.data))
-        for batch in validation:
-            batch.sample_indices = [i + len(data.train.data) for i in batch.sample_indices]
     beat = partial(watchdog.beat, "model", training=False)
     # Where `build_model` initialises a fresh model: on the GPU unless a sharding engine places it from the host.
     fresh_init = "cuda" if engine.info.device.type == "cuda" and not engine.sharded else "cpu"
-
-    def tables(forward: TokenForward, say: Callable[[str], None], is_main: bool) -> torch.Tensor:
-        # The first rank hashes the model's files and tells the others: every rank must look for the same table
-        # (ranks that computed it while others read it would wait on each other's collectives).
-        cache = work_dir / REFERENCE_DIR / DIGEST_CACHE if is_main else None
-        weights = weights_digest(cfg.model, cache, say, beat) if is_main else None
-        weights = str(gather_objects(weights, engine.info)[0])
-        parts = reference_parts(cfg, tokenizer, weights, fresh_init)
-        found = []
-        for name, split in splits:
-            compute = partial(
-                compute_reference,
-                engine,
-                forward,
-                split,
-                cfg.train.micro_batch_size,
-                tokenizer.pad_token_id,
-                layout,
-                cfg.data.max_length,
-                beat,
+    forward = policy_forward(engine, cfg.train.precision)
+    is_main = engine.info.is_main
+    # The first rank hashes the model's files and tells the others: every rank must look for the same table
+    # (ranks that computed it while others read it would wait on each other's collectives).
+    cache = work_dir / REFERENCE_DIR / DIGEST_CACHE if is_main else None
+    weights = weights_digest(cfg.model, cache, say, beat) if is_main else None
+    weights = str(gather_objects(weights, engine.info)[0])
+    parts = reference_parts(cfg, tokenizer, weights, fresh_init)
+    found = []
+    for name, split in splits:
+        compute = partial(
+            compute_reference,
+            engine,
+            forward,
+            split,
+            cfg.train.micro_batch_size,
+            tokenizer.pad_token_id,
+            layout,
+            cfg.data.max_length,
+            beat,
+        )
+        split_parts = {**parts, "data": data_digest(split)}
+        found.append(
+            reference_log_probs(
+                work_dir,
+                name,
+                split_parts,
+                len(split),
+                compute,
+                is_main,
+                say,
+                lambda found: all(gather_objects(found, engine.info)),
             )
-            split_parts = {**parts, "data": data_digest(split)}
-            found.append(
-                reference_log_probs(
-                    work_dir,
-                    name,
-                    split_parts,
-                    len(split),
-                    compute,
-                    is_main,
-                    say,
-                    lambda found: all(gather_objects(found, engine.info)),
-                )
-            )
-        return torch.cat(found)
-
-    return tables
+        )
+    return torch.cat(found)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shlex
 import shutil
 import warnings
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -24,7 +24,8 @@ from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.diagnostics.stacks import exception_site
 from tuneforge.distributed import DistInfo, Layout, barrier, gather_objects, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
-from tuneforge.engines import EngineTraits, build_engine, choose_engine, engine_traits
+from tuneforge.engines import Engine, EngineTraits, build_engine, choose_engine, engine_traits
+from tuneforge.engines.base import FrozenModel
 from tuneforge.engines.expert_parallel import expert_parallel_problems, expert_parallel_routers
 from tuneforge.errors import SharedUserError, UserError
 from tuneforge.host_memory import freed_host_memory_kept
@@ -53,7 +54,7 @@ from tuneforge.train.objectives import build_objective
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
-from tuneforge.train.reference import reference_tables
+from tuneforge.train.reference import reference_pass
 from tuneforge.train.resume import checked_resume, resume_from, run_precision
 from tuneforge.train.sinks import require_packages
 from tuneforge.train.state import data_changed_note
@@ -176,8 +177,9 @@ def setup(
     say: Say,
     run_id: str,
 ) -> RunParts:
-    """Data, pre-flight checks, model, engine and batches: everything the loop needs, in the order that lets each
-    fail early (bad data before the doctor, the doctor before the model loads)."""
+    """Everything the loop needs, as named steps in the order that lets each fail early (bad data before the
+    doctor, the doctor before the model loads). The run is seeded once: building models draws from a fork of the
+    generator, so the training stream does not depend on what they drew."""
     seed_everything(cfg.train.seed)
     template = get_template(cfg.data.template)
     tokenizer = build_tokenizer(cfg.model)
@@ -186,35 +188,17 @@ def setup(
     if cfg.watchdog.doctor != "off":
         preflight(cfg, engine_name, info, tokenizer, data.training_units(cfg.paired), say)
     layout = sequence_layout(cfg, info, tokenizer, say)
-    traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
-    if cfg.train.compile:
-        traits.check_compile()
-        check_compiler(info.device)
-    if cfg.parallel.expert_parallel > 1:  # refused before the model loads, from its config
-        problems, layout_line = expert_parallel_problems(cfg, model_config(cfg.model, tokenizer), info.world_size)
-        if problems:  # every rank finds the same
-            raise SharedUserError("\n".join(problems))
-        say(layout_line)
+    traits = checked_traits(cfg, engine_name, info, tokenizer, say)
     watchdog.beat("model", training=False)
-    model, moe, balance, flops_per_token = trainable_model(cfg, tokenizer, info, work_dir, traits, say)
-    seed_everything(cfg.train.seed)
+    with forked_rng(info.device):
+        model, moe, balance, flops_per_token = trainable_model(cfg, tokenizer, info, work_dir, traits, say)
     engine = build_engine(
         engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe
     )
     if cfg.parallel.expert_parallel > 1 and balance is not None:
         balance.rehook(expert_parallel_routers(engine.unwrapped))  # the engine replaced the MoE blocks
-    reference_model = None
-    if cfg.objective.frozen_copy(cfg):
-        # Loaded once the engine holds the policy, so a sharding engine has freed the policy's whole copy first.
-        copy = build_frozen_copy(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded)
-        reference_model = engine.frozen(copy)
-        say(f"dpo reference: a frozen copy of the model before training, held like the policy ({traits.label})")
-        seed_everything(cfg.train.seed)  # the copy's initialisation drew from the generator the run goes on with
-    if layout.size > 1 and getattr(model.config, "_attn_implementation", None) != packed_attention.NAME:
-        raise UserError(
-            "parallel.sequence_parallel: this model does not use transformers' attention interface (remote code "
-            "with its own attention), so its attention cannot be split across ranks; set parallel.sequence_parallel=1"
-        )
+    reference_model = frozen_reference(cfg, engine, tokenizer, info, work_dir, traits, say)
+    check_sequence_parallel_attention(cfg, model, layout)
     planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, layout)
 
     def steps_from(start_step: int) -> StepGroups:
@@ -233,12 +217,11 @@ def setup(
     if info.distributed:  # the module names label collectives; one process has none, and the hooks cost time
         RECORDER.track_modules(engine.unwrapped)
     validation = validation_split(cfg, data, tokenizer, layout)
-    precompute = None
+    reference_table = None
     if cfg.objective.reference_pass(cfg):
-        precompute = reference_tables(cfg, engine, data, validation, tokenizer, layout, work_dir, watchdog)
-        precompute = partial(precompute, say=say, is_main=info.is_main)
+        reference_table = reference_pass(cfg, engine, data, tokenizer, layout, work_dir, watchdog, say)
     objective = build_objective(
-        engine, cfg.train.precision, balance, cfg.train.objective, cfg.preference, precompute, reference_model
+        engine, cfg.train.precision, balance, cfg.train.objective, cfg.preference, reference_table, reference_model
     )
     return RunParts(
         cfg=cfg,
@@ -256,6 +239,52 @@ def setup(
         flops_per_token=flops_per_token,
         run_id=run_id,
     )
+
+
+@contextlib.contextmanager
+def forked_rng(device: torch.device) -> Iterator[None]:
+    """Random draws inside (a model's initialisation) leave the run's generators as they were."""
+    devices = [device] if device.type == "cuda" else []
+    state = random.getstate()
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(state)
+
+
+def checked_traits(cfg: Config, engine_name: str, info: DistInfo, tokenizer, say: Say) -> EngineTraits:
+    """The engine's traits on this run's device, with what they refuse checked before the model loads."""
+    traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
+    if cfg.train.compile:
+        traits.check_compile()
+        check_compiler(info.device)
+    if cfg.parallel.expert_parallel > 1:  # refused before the model loads, from its config
+        problems, layout_line = expert_parallel_problems(cfg, model_config(cfg.model, tokenizer), info.world_size)
+        if problems:  # every rank finds the same
+            raise SharedUserError("\n".join(problems))
+        say(layout_line)
+    return traits
+
+
+def frozen_reference(
+    cfg: Config, engine: Engine, tokenizer, info: DistInfo, work_dir: Path, traits: EngineTraits, say: Say
+) -> FrozenModel | None:
+    """DPO's frozen copy of the model before training, held by the engine like the policy, where the objective
+    asks for one."""
+    if not cfg.objective.frozen_copy(cfg):
+        return None
+    # Loaded once the engine holds the policy, so a sharding engine has freed the policy's whole copy first.
+    with forked_rng(info.device):
+        copy = build_frozen_copy(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded)
+    say(f"dpo reference: a frozen copy of the model before training, held like the policy ({traits.label})")
+    return engine.frozen(copy)
+
+
+def check_sequence_parallel_attention(cfg: Config, model: torch.nn.Module, layout: Layout) -> None:
+    if layout.size > 1 and getattr(model.config, "_attn_implementation", None) != packed_attention.NAME:
+        raise UserError(
+            "parallel.sequence_parallel: this model does not use transformers' attention interface (remote code "
+            "with its own attention), so its attention cannot be split across ranks; set parallel.sequence_parallel=1"
+        )
 
 
 def sequence_layout(cfg: Config, info: DistInfo, tokenizer, say: Say) -> Layout:
@@ -367,6 +396,8 @@ def validation_split(cfg: Config, data: PreparedData, tokenizer, layout: Layout)
                 cfg.data.packing,
                 cfg.data.max_length,
                 2 if cfg.paired else 1,
+                # A precomputed reference's table holds the train split's answers first.
+                len(data.train.data) if cfg.objective.reference_pass(cfg) else 0,
             )
         )
     if cfg.checkpoint.keep_best:

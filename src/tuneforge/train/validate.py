@@ -31,11 +31,13 @@ def validation_batches(
     packing: bool,
     max_length: int,
     group: int = 1,
+    index_offset: int = 0,
 ) -> Iterator[MicroBatch]:
     """This rank's share of every global validation micro-batch (its data-parallel group's rows, its sequence
     shard of them). When a batch has fewer rows than groups, the rows repeated to give every group a batch have
     their targets masked, so each sample counts exactly once. `group` samples side by side stay in one row (2:
-    a preference pair's answers), as in training."""
+    a preference pair's answers), as in training. `index_offset` is added to the batches' sample indices (where
+    a table holds the train split's samples first)."""
     rank, world_size = layout.data_rank, layout.data_size
     units = data.lengths.reshape(-1, group).sum(axis=1) if group > 1 else data.lengths
     packed_rows = best_fit_decreasing(units, max_length * group) if packing else None
@@ -44,6 +46,7 @@ def validation_batches(
         batch = [[unit * group + member for unit in row for member in range(group)] for row in batch]
         rows = rows_for_rank(batch, rank, world_size, filler=batch)
         mine = collate(data, rows, pad_id, packing or group > 1, sequence_width_multiple(layout.size))
+        mine.sample_indices = [index + index_offset for index in mine.sample_indices]
         mask_filler_rows(mine, rank, world_size, len(batch))
         yield shard_rows(mine, layout.shard, layout.size)
 
