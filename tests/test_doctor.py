@@ -8,7 +8,8 @@ from tuneforge.config.schema import Config
 from tuneforge.data.byte_tokenizer import build_byte_tokenizer
 from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import get_template
-from tuneforge.doctor import FAIL, PASS, WARN, check_environment, check_template, run_checks
+from tuneforge.doctor import FAIL, PASS, WARN, check_environment, check_template, doctor_precision, run_checks
+from tuneforge.engines import EngineChoice
 
 from conftest import write_jsonl
 
@@ -40,7 +41,8 @@ def config(**sections) -> Config:
 
 
 def verdicts(cfg: Config, tokenizer, engine: str = "deepspeed", world_size: int = 2, samples: int = 100):
-    return {c.name: c for c in run_checks(cfg, engine, world_size, tokenizer, samples)}
+    chosen = EngineChoice.of(engine, cfg.parallel, doctor_precision(cfg, None).train, "cuda")
+    return {c.name: c for c in run_checks(cfg, chosen, world_size, tokenizer, samples)}
 
 
 def test_a_healthy_moe_job_passes_everything(tokenizer, monkeypatch):

@@ -125,3 +125,24 @@ def test_a_non_finite_step_is_skipped_on_the_device_with_weights_moments_and_cou
     step_with(0.5)
     assert not torch.equal(next(model.parameters()), next(iter(before.values())))
     assert float(next(iter(engine.optimizer.state.values()))["step"]) == 2.0
+
+
+def test_the_engine_choice_is_made_once_with_its_traits_on_the_runs_device_and_asks_the_engine_about_the_model():
+    import torch
+
+    from tuneforge.config.schema import Config
+    from tuneforge.distributed import DistInfo
+    from tuneforge.engines import EngineChoice
+
+    parallel, train = ParallelConfig(engine="deepspeed", zero_stage=3), TrainConfig(precision="bf16")
+    two = DistInfo(0, 2, 0, torch.device("cpu"))
+    on_cpu = EngineChoice.choose(two, parallel, train)
+    assert on_cpu.name == "deepspeed" and not on_cpu.traits.casts_parameters  # bf16 autocast on CPU
+    assert EngineChoice.choose(two, parallel, train, device="cuda").traits.casts_parameters
+    read = []
+    cfg = Config.model_validate(
+        {"model": {"architecture": "llama", "tokenizer": "bytes"}, "data": {"train_files": ["x.jsonl"]}}
+    )
+    assert on_cpu.model_problems(cfg, lambda: read.append(1), 2) == ([], "")
+    assert not read  # no expert parallelism: the model's config is not read
+    assert EngineChoice.choose(DistInfo(0, 1, 0, torch.device("cpu")), ParallelConfig(), train).name == "single"

@@ -105,7 +105,10 @@ def test_a_killed_expert_parallel_run_resumes_to_the_uninterrupted_result(expert
     point = read_state(tmp_path / "run" / "checkpoints" / "step-2")
     assert point.expert_parallel == 2
     with pytest.raises(UserError, match=r"written with parallel\.expert_parallel=2, this run has 1"):
-        check_compatible(point, tmp_path, 2, 2, 2, "deepspeed", 1, 1)
+        check_compatible(
+            point, tmp_path, world_size=2, micro_batch_size=2, gradient_accumulation=2, engine="deepspeed",
+            sequence_parallel=1, expert_parallel=1,
+        )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -248,22 +251,24 @@ def test_the_doctors_refusal_of_expert_parallelism_says_its_reason_once(tokenize
     """The doctor's check carries its reasons, each with its fix, and no separate fix: the run's refusal says
     them (it once said `expert parallelism: ` and nothing more), as a refusal the ranks agreed on (rank 0 alone
     prints it), naming the rank where only another one failed."""
+    from tuneforge.engines import EngineChoice
     from tuneforge.errors import SharedUserError
     from tuneforge.train import run
 
     lora = Config.model_validate({**config(expert_parallel=2).model_dump(), "model": {
         "architecture": "deepseek_v2", "tokenizer": "bytes", "lora": {"r": 8}}})  # fmt: skip
     rank0 = DistInfo(0, 2, 0, torch.device("cpu"))
+    deepspeed = EngineChoice.of("deepspeed", lora.parallel, lora.train, "cpu")
     said = []
     monkeypatch.setattr(run, "gather_objects", lambda value, info: [value, value])  # both ranks find it
     with pytest.raises(SharedUserError) as refused:
-        run.preflight(lora, "deepspeed", rank0, tokenizer, 8, said.append)
+        run.preflight(lora, deepspeed, rank0, tokenizer, 8, said.append)
     message = str(refused.value)
     assert message.startswith(f"doctor: expert parallelism: {LORA_REFUSAL}") and "\n" not in message
     assert message.endswith("(watchdog.doctor=warn to go on)") and "FAIL  expert parallelism" in said[0]
     monkeypatch.setattr(run, "gather_objects", lambda value, info: ["", value])  # rank 1 alone
     with pytest.raises(SharedUserError, match=r"^doctor \(rank 1\): expert parallelism: "):
-        run.preflight(lora, "deepspeed", rank0, tokenizer, 8, said.append)
+        run.preflight(lora, deepspeed, rank0, tokenizer, 8, said.append)
 
 
 @pytest.mark.slow

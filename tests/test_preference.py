@@ -364,7 +364,8 @@ def test_a_data_file_with_pairs_is_rejected_by_sft_in_the_library_too(tmp_path, 
 PAIRED_JOB = """\
 model: {model}
 data: {{train_files: [pairs.jsonl], cache_dir: null}}
-train: {{objective: dpo, lr: 1.0e-2, eps: 1.0e-3, warmup_steps: 1, precision: fp32, gradient_accumulation: 2, max_steps: 3}}
+train: {{objective: dpo, lr: 1.0e-2, eps: 1.0e-3, warmup_steps: 1, precision: fp32, gradient_accumulation: 2,
+  max_steps: 3}}
 preference: {{beta: 0.5, sft_weight: 0.2}}
 checkpoint: {{every_steps: 0}}
 log: {{progress: lines}}
@@ -565,7 +566,9 @@ log: {progress: lines, plot: false}
     archived = train_here(tmp_path / "cfg.yaml", tmp_path / "rerun", "--archive-previous")
     assert archived.returncode == 0, archived.stderr[-3000:]
     (previous,) = (tmp_path / "rerun" / "previous-runs").iterdir()
-    assert f"work dir: the previous run's metrics.jsonl, reference/ moved to {previous}" in archived.stdout
+    assert f"work dir: the previous run's metrics.jsonl, diagnostics/, reference/, run.json moved to {previous}" in (
+        archived.stdout
+    )
     assert len(list((previous / "reference").glob("train-*.safetensors"))) == 2
     assert "dpo reference: computing the train log-probabilities" in archived.stdout
     assert metrics(tmp_path / "rerun")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)

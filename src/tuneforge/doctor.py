@@ -20,8 +20,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from tuneforge.config.schema import Config, LoraSettings
 from tuneforge.data.conversation import Conversation, Turn
 from tuneforge.data.templates import TOKENIZER, get_template
-from tuneforge.engines import EngineTraits, engine_traits
-from tuneforge.engines.expert_parallel import PRESETS, expert_parallel_problems
+from tuneforge.distributed import DistInfo
+from tuneforge.engines import EngineChoice, EngineTraits, engine_traits
+from tuneforge.engines.expert_parallel import PRESETS
 from tuneforge.errors import UserError
 from tuneforge.estimate import GIB, Accelerator, Estimate, estimate, format_estimate, local_accelerator
 from tuneforge.model.adapters import resolve_lora_targets
@@ -100,14 +101,16 @@ def check_moe_sharding(traits: EngineTraits, moe: MoEMap, readable: bool) -> Che
     return Check(name, PASS, f"{len(moe)} MoE blocks ({moe.blocks[0].layout} experts) {traits.moe_safety}")
 
 
-def check_expert_parallel(cfg: Config, skeleton: nn.Module | None, world_size: int) -> list[Check]:
+def check_expert_parallel(
+    cfg: Config, engine: EngineChoice, skeleton: nn.Module | None, world_size: int
+) -> list[Check]:
     """Said only where `parallel.expert_parallel` is set: what the run would refuse, or the layout it prints."""
     name = "expert parallelism"
     if cfg.parallel.expert_parallel == 1:
         return []
     if skeleton is None:
         return [Check(name, WARN, "model structure not readable: the run checks the model when it starts")]
-    problems, layout = expert_parallel_problems(cfg, skeleton.config, world_size)
+    problems, layout = engine.model_problems(cfg, lambda: skeleton.config, world_size)
     if problems:
         return [Check(name, FAIL, "; ".join(problems))]  # each reason names its fix
     return [Check(name, PASS, layout)]
@@ -546,9 +549,22 @@ def check_estimate(
     return [memory, Check("time estimate", status, detail, "; ".join(fixes))]
 
 
+def doctor_precision(cfg: Config, accelerator: Accelerator | None) -> Config:
+    """The config at the precision the job gets on the GPU it is sized for (this machine's, or `accelerator`)."""
+    on_gpu = torch.cuda.is_available() or accelerator is not None
+    return with_precision(cfg, choose_precision(cfg.train.precision, on_gpu)[0])
+
+
+def doctor_engine(cfg: Config, world_size: int, accelerator: Accelerator | None = None) -> EngineChoice:
+    """The engine a job of `world_size` processes gets, with its traits on the GPU it is sized for."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info = DistInfo(0, world_size, 0, device)
+    return EngineChoice.choose(info, cfg.parallel, doctor_precision(cfg, accelerator).train, device="cuda")
+
+
 def run_checks(
     cfg: Config,
-    engine: str,
+    engine: EngineChoice,
     world_size: int,
     tokenizer: PreTrainedTokenizerBase | None,
     num_samples: int | None = None,
@@ -556,11 +572,11 @@ def run_checks(
     accelerator: Accelerator | None = None,
     gpus_per_node: int | None = None,
 ) -> list[Check]:
-    """`engine`: the engine's name, as `choose_engine` resolved it. `accelerator` None: this machine's GPU, if
-    any (the estimate is skipped without one)."""
+    """`engine`: the run's (`EngineChoice`; `doctor_engine` for a job sized before it runs). `accelerator` None:
+    this machine's GPU, if any (the estimate is skipped without one)."""
     on_gpu = torch.cuda.is_available() or accelerator is not None
-    cfg = with_precision(cfg, choose_precision(cfg.train.precision, on_gpu)[0])
-    traits = engine_traits(engine, cfg.parallel, cfg.train)
+    cfg = doctor_precision(cfg, accelerator)
+    traits = engine.traits
     skeleton = model_skeleton(cfg, tokenizer, model_config)
     moe = find_moe(skeleton) if skeleton is not None else MoEMap()
     if accelerator is None:
@@ -569,7 +585,7 @@ def run_checks(
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return [
         check_moe_sharding(traits, moe, skeleton is not None),
-        *check_expert_parallel(cfg, skeleton, world_size),
+        *check_expert_parallel(cfg, engine, skeleton, world_size),
         check_qlora_storage(cfg, traits),
         check_quantized_share(cfg, skeleton),
         check_remote_code(cfg, model_config),

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from tuneforge.config import load_config
 from tuneforge.data.pipeline import prepare_data
 from tuneforge.data.templates import get_template
-from tuneforge.distributed import DistInfo
-from tuneforge.doctor import FAIL, WARN, Check, format_checks, run_checks
-from tuneforge.engines import choose_engine
+from tuneforge.doctor import FAIL, WARN, Check, doctor_engine, format_checks, run_checks
 from tuneforge.errors import UserError
 from tuneforge.estimate import ACCELERATORS
 from tuneforge.model.build import build_tokenizer
@@ -31,8 +27,8 @@ def doctor_checks(
     noted instead of refused: the job is sized for another machine."""
     config = load_config(config_path, overrides)
     world_size = nproc_per_node * nnodes
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    engine = choose_engine(config.parallel.engine, DistInfo(0, world_size, 0, device), config.parallel)
+    accelerator = ACCELERATORS[gpu] if gpu else None
+    engine = doctor_engine(config, world_size, accelerator)
     skipped = []
     tokenizer, num_samples = None, None
     try:
@@ -48,7 +44,6 @@ def doctor_checks(
             if model_config is None:
                 raise
             skipped.append(Check("training data", WARN, f"not read: {exc}", "put the data in place before training"))
-    accelerator = ACCELERATORS[gpu] if gpu else None
     checks = run_checks(config, engine, world_size, tokenizer, num_samples, model_config, accelerator, nproc_per_node)
     return [*skipped, *checks]
 

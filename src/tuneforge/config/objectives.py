@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    from tuneforge.config.schema import Config
+Config = Any
+"""A `tuneforge.config.schema.Config` (which imports this module: named here without importing it back)."""
 
-Check = Callable[["Config"], "str | None"]
+Check = Callable[[Config], "str | None"]
 """A config check an objective owns: the problem and its fix in one line, or None."""
 
 

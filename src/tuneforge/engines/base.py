@@ -16,16 +16,17 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from tuneforge.config.schema import ParallelConfig, TrainConfig
+from tuneforge.config.schema import Config, ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo, all_reduce_sum
 from tuneforge.engines.loss_scale import LossScaler
 from tuneforge.errors import UserError
 from tuneforge.model.moe import MoEMap
+from tuneforge.model.router_balance import RouterBalance
 
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
@@ -130,6 +131,23 @@ class Engine(abc.ABC):
 
     shards_experts: ClassVar[bool] = False
     """Whether `parallel.expert_parallel` can shard the routed experts over ranks on this engine."""
+
+    @classmethod
+    def model_problems(cls, cfg: Config, read_config: Callable[[], Any], world_size: int) -> tuple[list[str], str]:
+        """What this engine refuses of the model whose config `read_config` reads, under `cfg` and `world_size`
+        (one line each with its fix), checked before the model loads; and a line to say when nothing is refused
+        ("" when there is nothing to say)."""
+        return [], ""
+
+    @classmethod
+    def input_problems(cls, parallel: ParallelConfig) -> list[str]:
+        """What is wrong with the files `parallel` names for this engine, said before any process starts."""
+        return []
+
+    def keep_router_balance(self, balance: RouterBalance) -> None:
+        """Router balance hooks on the MoE blocks this engine holds: an engine that replaced the model's blocks
+        (expert parallelism) moves them to its own. The others hold the blocks the hooks are on already."""
+        return
 
     @property
     def name(self) -> str:

@@ -18,12 +18,19 @@ from typing import Any
 
 import torch
 
-from tuneforge.config.schema import ParallelConfig, TrainConfig
+from tuneforge.config.schema import Config, ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, FrozenModel, OptimizerFactory
-from tuneforge.engines.expert_parallel import autoep_section, hugging_face_state_dict, without_router_logit_recorders
+from tuneforge.engines.expert_parallel import (
+    autoep_section,
+    expert_parallel_problems,
+    expert_parallel_routers,
+    hugging_face_state_dict,
+    without_router_logit_recorders,
+)
 from tuneforge.errors import SharedUserError, UserError
 from tuneforge.model.moe import MoEMap
+from tuneforge.model.router_balance import RouterBalance
 from tuneforge.pickle_guard import refuse_unsafe_pickles
 
 DEEPSPEED_RECORD_TYPES = (
@@ -71,13 +78,23 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig, world_size: i
         "wall_clock_breakdown": False,
     }
     if parallel.deepspeed_config:
-        path = Path(parallel.deepspeed_config)
-        try:
-            extra = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"parallel.deepspeed_config: cannot read {path} ({exc})") from None
+        extra, problem = read_user_config(parallel)
+        if problem:
+            raise UserError(problem)
         config = _merge(config, extra)
     return config
+
+
+def read_user_config(parallel: ParallelConfig) -> tuple[dict[str, Any], str]:
+    """`parallel.deepspeed_config`'s JSON object, or what is wrong with the file ("" when nothing)."""
+    path = Path(parallel.deepspeed_config)
+    try:
+        merged = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return {}, f"parallel.deepspeed_config: cannot read {path} ({exc})"
+    if not isinstance(merged, dict):
+        return {}, f"parallel.deepspeed_config: {path} holds no JSON object"
+    return merged, ""
 
 
 def fp16_config(train: TrainConfig) -> dict[str, Any]:
@@ -137,6 +154,22 @@ class DeepSpeedEngine(Engine):
             if parallel.sequence_parallel > 1:
                 problems.append("parallel.expert_parallel and parallel.sequence_parallel cannot be combined yet")
         return problems
+
+    @classmethod
+    def model_problems(cls, cfg: Config, read_config: Callable[[], Any], world_size: int) -> tuple[list[str], str]:
+        if cfg.parallel.expert_parallel == 1:
+            return [], ""
+        return expert_parallel_problems(cfg, read_config(), world_size)  # AutoEP's presets and sizes
+
+    @classmethod
+    def input_problems(cls, parallel: ParallelConfig) -> list[str]:
+        # The file is merged once the model is built: one that is not a JSON object is said before anything runs.
+        problem = read_user_config(parallel)[1] if parallel.deepspeed_config else ""
+        return [problem] if problem else []
+
+    def keep_router_balance(self, balance: RouterBalance) -> None:
+        if self.expert_parallel > 1:
+            balance.rehook(expert_parallel_routers(self.unwrapped))  # AutoEP replaced the MoE blocks
 
     @classmethod
     def traits_for(cls, parallel: ParallelConfig, train: TrainConfig, device: str = "cuda") -> EngineTraits:

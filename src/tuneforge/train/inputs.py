@@ -32,11 +32,19 @@ def check_inputs(cfg: Config, work_dir: Path) -> None:
         *_own_code_problems(cfg.model),
         *writable_problems("--work-dir", work_dir),
         *_cache_problems(cfg),
-        *_deepspeed_json_problems(cfg),
+        *_engine_problems(cfg),
         *_context_problems(cfg),
     ]
     if problems:
         raise UserError("\n".join(problems))
+
+
+def _engine_problems(cfg: Config) -> list[str]:
+    if cfg.parallel.engine == "auto":
+        return []  # `auto` picks an engine that reads no files; the launcher need not import the engines (2 s)
+    from tuneforge.engines import input_problems
+
+    return input_problems(cfg.parallel)
 
 
 def check_data_inputs(cfg: Config) -> None:
@@ -144,18 +152,6 @@ def writable_problems(what: str, directory: Path) -> list[str]:
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"{what} {directory}: {existing} is not writable by this user; choose a directory you can write"]
     return []
-
-
-def _deepspeed_json_problems(cfg: Config) -> list[str]:
-    """`parallel.deepspeed_config` is read once the model is built; a file that is not JSON is said now."""
-    if not cfg.parallel.deepspeed_config:
-        return []
-    path = Path(cfg.parallel.deepspeed_config)
-    try:
-        merged = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return [f"parallel.deepspeed_config: cannot read {path} ({exc})"]
-    return [] if isinstance(merged, dict) else [f"parallel.deepspeed_config: {path} holds no JSON object"]
 
 
 def _cache_problems(cfg: Config) -> list[str]:

@@ -24,9 +24,8 @@ from tuneforge.diagnostics.recorder import RECORDER
 from tuneforge.diagnostics.stacks import exception_site
 from tuneforge.distributed import DistInfo, Layout, barrier, gather_objects, init_distributed
 from tuneforge.doctor import FAIL, format_checks, run_checks
-from tuneforge.engines import Engine, EngineTraits, build_engine, choose_engine, engine_traits
+from tuneforge.engines import Engine, EngineChoice, EngineTraits, choose_engine
 from tuneforge.engines.base import FrozenModel
-from tuneforge.engines.expert_parallel import expert_parallel_problems, expert_parallel_routers
 from tuneforge.errors import SharedUserError, UserError
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model import packed_attention
@@ -116,6 +115,7 @@ def _locked_run(
     requested = cfg.train.precision
     precision, why = run_precision(requested, info, resume_dir)
     cfg = with_precision(cfg, precision)  # every part reads the precision chosen, and config.yaml records it
+    engine = EngineChoice.of(engine_name, cfg.parallel, cfg.train, info.device.type)  # traits at this precision
     run_id = record_run(cfg, work_dir, resume, archive_previous, info, say, lock_note)
     say(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
     chosen = " (parallel.engine=auto)" if cfg.parallel.engine == "auto" else ""
@@ -131,7 +131,7 @@ def _locked_run(
     watchdog.start()
     outcome = "failed"
     try:
-        parts = setup(cfg, work_dir, watchdog, info, engine_name, say, run_id)
+        parts = setup(cfg, work_dir, watchdog, info, engine, say, run_id)
         result = train_and_evaluate(parts, info, say, resume, resume_dir)
         outcome = "finished"
         return result
@@ -173,7 +173,7 @@ def setup(
     work_dir: Path,
     watchdog: StallWatchdog,
     info: DistInfo,
-    engine_name: str,
+    chosen: EngineChoice,
     say: Say,
     run_id: str,
 ) -> RunParts:
@@ -186,17 +186,14 @@ def setup(
     watchdog.beat("data", training=False)
     data = load_data(cfg, tokenizer, template, info, say)
     if cfg.watchdog.doctor != "off":
-        preflight(cfg, engine_name, info, tokenizer, data.training_units(cfg.paired), say)
+        preflight(cfg, chosen, info, tokenizer, data.training_units(cfg.paired), say)
     layout = sequence_layout(cfg, info, tokenizer, say)
-    traits = checked_traits(cfg, engine_name, info, tokenizer, say)
+    check_engine(cfg, chosen, info, tokenizer, say)
+    traits = chosen.traits
     watchdog.beat("model", training=False)
     with forked_rng(info.device):
         model, moe, balance, flops_per_token = trainable_model(cfg, tokenizer, info, work_dir, traits, say)
-    engine = build_engine(
-        engine_name, model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe
-    )
-    if cfg.parallel.expert_parallel > 1 and balance is not None:
-        balance.rehook(expert_parallel_routers(engine.unwrapped))  # the engine replaced the MoE blocks
+    engine = chosen.build(model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe, balance)
     reference_model = frozen_reference(cfg, engine, tokenizer, info, work_dir, traits, say)
     check_sequence_parallel_attention(cfg, model, layout)
     planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, layout)
@@ -251,18 +248,16 @@ def forked_rng(device: torch.device) -> Iterator[None]:
     random.setstate(state)
 
 
-def checked_traits(cfg: Config, engine_name: str, info: DistInfo, tokenizer, say: Say) -> EngineTraits:
-    """The engine's traits on this run's device, with what they refuse checked before the model loads."""
-    traits = engine_traits(engine_name, cfg.parallel, cfg.train, info.device.type)
+def check_engine(cfg: Config, chosen: EngineChoice, info: DistInfo, tokenizer, say: Say) -> None:
+    """What the engine refuses of this run, checked before the model loads (from its config)."""
     if cfg.train.compile:
-        traits.check_compile()
+        chosen.traits.check_compile()
         check_compiler(info.device)
-    if cfg.parallel.expert_parallel > 1:  # refused before the model loads, from its config
-        problems, layout_line = expert_parallel_problems(cfg, model_config(cfg.model, tokenizer), info.world_size)
-        if problems:  # every rank finds the same
-            raise SharedUserError("\n".join(problems))
-        say(layout_line)
-    return traits
+    problems, line = chosen.model_problems(cfg, lambda: model_config(cfg.model, tokenizer), info.world_size)
+    if problems:  # from the config and the launch: every rank finds the same
+        raise SharedUserError("\n".join(problems))
+    if line:
+        say(line)
 
 
 def frozen_reference(
@@ -323,10 +318,10 @@ def load_data(cfg: Config, tokenizer, template, info: DistInfo, say: Say) -> Pre
     return data
 
 
-def preflight(cfg: Config, engine_name: str, info: DistInfo, tokenizer, num_samples: int, say: Say) -> None:
+def preflight(cfg: Config, engine: EngineChoice, info: DistInfo, tokenizer, num_samples: int, say: Say) -> None:
     """The doctor's checks; a failed one stops the run unless `watchdog.doctor=warn`. The ranks agree on it first
     (a check of a host's hardware may fail on one node alone), so they stop together and rank 0 says it once."""
-    checks = run_checks(cfg, engine_name, info.world_size, tokenizer, num_samples)
+    checks = run_checks(cfg, engine, info.world_size, tokenizer, num_samples)
     say(format_checks(checks))
     if cfg.watchdog.doctor != "fail":
         return
