@@ -11,8 +11,17 @@ from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.templates import get_template, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
+from tuneforge.terminal import safe_text
 from tuneforge.train.checkpoint import CHAT_META
 from tuneforge.trained import is_reward_model, load_trained
+
+
+class SafeStreamer(TextStreamer):
+    """Streams a reply as text: what a model writes (one fine-tuned on someone else's data may write escape
+    sequences) is shown on the terminal, never acted on."""
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        super().on_finalized_text(safe_text(text), stream_end)
 
 
 def run_chat(
@@ -37,7 +46,7 @@ def run_chat(
         raise UserError(f"{checkpoint}: no tuneforge.json naming the chat template; pass --template NAME")
     template = get_template(template_name) if template_name else recorded_template(spec, checkpoint / CHAT_META)
     system = system if system is not None else meta.get("system")
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer = SafeStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
     def answer(history: list[tuple[str, str]], user: str) -> str:
         prompts = [prompt_conversation(history, user)]

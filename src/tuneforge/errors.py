@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from tuneforge.terminal import safe_text
+
 ERRORS_DIR_ENV = "TUNEFORGE_ERRORS_DIR"
 """Set by `tuneforge train --nproc-per-node N` for its workers: a directory of the launcher's where each worker
 that stops on a UserError leaves it (`error-rank-N.json`), for the launcher to print each distinct one once."""
@@ -65,7 +67,7 @@ def say_user_error(exc: UserError) -> None:
         left = leave_user_error(Path(directory), rank, str(exc), shared, shared and exc.said)
         prints = prints and (rank == 0 or not left)
     if prints:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(f"error: {safe_text(exc)}", file=sys.stderr, flush=True)  # it may quote a received file
 
 
 def leave_user_error(directory: Path, rank: int, message: str, shared: bool, said: bool) -> bool:

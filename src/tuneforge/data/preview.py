@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.data.tokenize import TokenizedData
+from tuneforge.terminal import safe_text
 
 OPEN, CLOSE = "[[", "]]"
 """Markers around trained text when the output is not a terminal."""
@@ -28,9 +29,10 @@ def show(tokenizer: PreTrainedTokenizerBase, data: TokenizedData, count: int, co
     for index in range(min(count, len(data))):
         ids, labels = data.sample(index)
         trained = int((labels != IGNORE_INDEX).sum())
-        console.print(f"--- {data.origins[index]}: {len(ids)} tokens, {trained} trained ---", markup=False)
+        console.print(f"--- {safe_text(data.origins[index])}: {len(ids)} tokens, {trained} trained ---", markup=False)
         text = Text()
-        for run, is_trained in spans(tokenizer, data, index):
+        for text_run, is_trained in spans(tokenizer, data, index):
+            run = safe_text(text_run)  # the data's own bytes: shown, never acted on by the terminal
             if console.is_terminal:
                 text.append(run, style="bold green" if is_trained else "dim")
             else:

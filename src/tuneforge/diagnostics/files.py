@@ -9,6 +9,8 @@ import socket
 import threading
 from pathlib import Path
 
+REPORT = "report.txt"
+"""In `diagnostics/`: the diagnosis of a stall or a failure, written by one rank (or the launcher)."""
 STOPPED = "stopped.txt"
 """In `diagnostics/`: written by rank 0 when the ranks stopped together on a signal (not a failure to report)."""
 TRAINING_PHASES = ("data", "forward/backward", "optimizer")

@@ -21,6 +21,7 @@ from pathlib import Path
 from tuneforge.diagnostics.causes import CAUSES, Cause
 from tuneforge.diagnostics.files import (
     HEARTBEAT_EVERY_S,
+    REPORT,
     TRAINING_PHASES,
     black_box_file,
     fatal_stacks_file,
@@ -29,8 +30,8 @@ from tuneforge.diagnostics.files import (
     same_process_alive,
 )
 from tuneforge.diagnostics.recorder import _is_library, read_black_box
+from tuneforge.terminal import safe_text
 
-REPORT = "report.txt"
 EXPERT_MODULE = re.compile(r"(^|\.)experts(\.|$)")
 RANK_ONLY_PHASES = ("save", "eval", "generation")
 
@@ -350,7 +351,12 @@ def _where(rank: int, state: dict, source: str) -> str:
 
 
 def build_report(diagnostics_dir: Path, world_size: int, exit_codes: dict[int, int] | None = None) -> str:
-    """The report text from the files under `diagnostics_dir` (and the launcher's exit codes, if known)."""
+    """The report text from the files under `diagnostics_dir` (and the launcher's exit codes, if known), safe
+    to print: what the ranks' files say is shown, never acted on by the terminal."""
+    return safe_text(_report_text(diagnostics_dir, world_size, exit_codes))
+
+
+def _report_text(diagnostics_dir: Path, world_size: int, exit_codes: dict[int, int] | None) -> str:
     exit_codes = exit_codes or {}
     states: dict[int, dict] = {}
     lines = []

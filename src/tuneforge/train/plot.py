@@ -23,27 +23,48 @@ class Metrics:
     unreadable: list[int] = field(default_factory=list)  # line numbers that are not a JSON record
 
 
+MAX_STEP = 1 << 53
+"""Steps up to here are exact as floats (the plot's axis); a larger one is no step a run logged."""
+
+
 def read_metrics(path: Path) -> Metrics:
-    """Every record of `path`. A line cut off by a crash is skipped but counted, so the caller can say so."""
+    """Every record of `path`. A line cut off by a crash (or not UTF-8, or no step record) is skipped but
+    counted, so the caller can say so."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     metrics = Metrics()
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             metrics.unreadable.append(number)
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP:
             metrics.records.append(record)
         else:
             metrics.unreadable.append(number)
     return metrics
 
 
+def _finite(value: object) -> float | None:
+    """A JSON number as a finite float; None for anything else (text, booleans, NaN, an int past float)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
-    return [p[0] for p in points], [float(p[1]) for p in points]
+    points = [(r["step"], value) for r in records if (value := _finite(r.get(key))) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
 
 
 def _warn(message: str) -> None:
@@ -78,7 +99,8 @@ def plot_metrics(work_dir: Path, out: Path | None = None, warn: Callable[[str], 
         for step in skipped:  # non-finite steps have no loss point; mark where they were
             loss_ax.axvline(step, color="red", alpha=0.3, linewidth=1)
         loss_ax.set_ylabel("loss")
-        title = f"{work_dir.name}: {len(metrics.records)} steps"
+        name = work_dir.name.replace("$", r"\$")  # a `$` starts matplotlib's math text: one alone fails
+        title = f"{name}: {len(metrics.records)} steps"
         if metrics.unreadable:
             title += f" ({len(metrics.unreadable)} unreadable line(s) left out)"
         loss_ax.set_title(title)
@@ -123,7 +145,9 @@ def plot_at_end(work_dir: Path) -> str | None:
     try:
         path = plot_metrics(work_dir)
     except Exception as exc:
-        reason = (str(exc).splitlines() or [""])[0]
+        from tuneforge.terminal import safe_text
+
+        reason = safe_text((str(exc).splitlines() or [""])[0])  # an error may quote what a file held
         retry = f"tuneforge plot {shlex.quote(str(work_dir))}"
         _warn(f"plot not written ({type(exc).__name__}: {reason}); retry with: {retry}")
         return None
