@@ -73,6 +73,7 @@ def test_a_stop_signal_delivered_twice_at_once_is_one_request_and_a_later_one_a_
     assert not dog.request_stop(signal.SIGTERM)
 
 
+@pytest.mark.trivial_process("two `python -c` one-liners without imports: a pid that has ended, one stopped")
 def test_a_peer_is_gone_when_its_heartbeat_is_missing_stale_or_finished(tmp_path):
     """What ends a graceful stop's wait at once: the ranks can no longer all vote on a step to stop at. A peer
     on another host is judged by its heartbeat's age, with room for a busy rank's lagging monitor thread; a
@@ -97,7 +98,10 @@ def test_a_peer_is_gone_when_its_heartbeat_is_missing_stale_or_finished(tmp_path
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(frozen.pid, signal.SIGSTOP)
-        time.sleep(0.2)  # the stop takes effect asynchronously
+        deadline = time.monotonic() + 30
+        while process_state(frozen.pid) != "T":  # the stop takes effect asynchronously
+            assert time.monotonic() < deadline, f"process {frozen.pid} never stopped"
+            time.sleep(0.01)
         here, me = socket.gethostname(), os.getpid()
         for pid, started, gone in [
             (me, process_start_ticks(me), False),  # alive: not gone, however old its heartbeat
@@ -178,3 +182,28 @@ def test_a_stall_on_a_full_disk_still_ends_the_rank_with_its_stacks_on_the_termi
     assert result.returncode == STALL_EXIT_CODE, result.stderr[-2000:]
     assert f"tuneforge: {tmp_path} not written (No space left on device); rank 0: stall:" in result.stderr
     assert "stuck_in_a_collective" in result.stderr
+
+
+def process_state(pid: int) -> str:
+    """The state letter of a process in /proc (T: stopped by a signal)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_fifo_or_a_huge_file_planted_as_a_peers_heartbeat_is_no_heartbeat_and_blocks_nothing(tmp_path):
+    """The monitor thread reads its peers' heartbeats every second: a FIFO in a shared work dir blocked it for
+    good (and with it the stall detection), a huge file filled its memory."""
+    import threading
+
+    from tuneforge.diagnostics.files import MAX_JSON_BYTES, read_json
+
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "huge.json").write_text('{"a": "' + "x" * MAX_JSON_BYTES + '"}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "ok.json").write_text('{"rank": 1}')
+    found = {}
+    reader = threading.Thread(target=lambda: found.update({p.name: read_json(p) for p in tmp_path.iterdir()}))
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "read_json blocked on the FIFO"
+    assert found == {"fifo.json": None, "huge.json": None, "list.json": None, "ok.json": {"rank": 1}}

@@ -232,8 +232,9 @@ def _parser() -> argparse.ArgumentParser:
         "watch",
         help="a live view of a run: ranks, curves, throughput, ETA, the last sample chat, a diagnosis",
         epilog="examples:\n  tuneforge watch work_dirs/demo\n  tuneforge watch work_dirs/my --once\n\n"
-        "Works from another terminal or node (shared filesystem) and after the run; it ends with the run,\n"
-        "with status 3 when the run ended with a diagnosis.",
+        "Works from another terminal or node (shared filesystem) and after the run; it ends with the run:\n"
+        "status 0 when it finished, 3 when it ended with a diagnosis, 1 when it ended with an error or its\n"
+        "ranks stopped beating without finishing, 2 when the directory holds no run.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     watch.add_argument("work_dir", type=Path, help="the run's work dir")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import threading
 from pathlib import Path
 
@@ -70,8 +71,26 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+MAX_JSON_BYTES = 16 << 20
+"""A heartbeat or dump is a few kB (its recent collectives): a larger file is none of ours."""
+
+
 def read_json(path: Path) -> dict | None:
+    """A rank's JSON file, or None where there is none (or it is being replaced). Only a regular file is read,
+    and only so much of it: a FIFO or a device planted in a shared work dir would block the reader (the
+    watchdog's monitor thread among them)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read(MAX_JSON_BYTES + 1)
+        value = json.loads(data) if len(data) <= MAX_JSON_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    return value if isinstance(value, dict) else None
