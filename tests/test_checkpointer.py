@@ -19,7 +19,10 @@ from conftest import single_engine, tiny_llama
 
 
 def point(step: int) -> ResumePoint:
-    return ResumePoint(step, 0, step * 4, 1, 2, 2, "single", None, "run-1", 1, "4:abc")
+    return ResumePoint(
+        step=step, epoch=0, samples_consumed=step * 4, world_size=1, micro_batch_size=2, gradient_accumulation=2,
+        engine="single", run_id="run-1", train_data="4:abc",
+    )  # fmt: skip
 
 
 @pytest.fixture

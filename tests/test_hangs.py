@@ -288,3 +288,31 @@ def test_a_rank_frozen_in_any_phase_is_named_within_the_stall_limit(tmp_path, ph
     assert "frozen: rank(s) 1" in report and f"rank 1 (process {frozen['pid']}) was not running: killed" in report
     # 10 s of silence, the 3 s grace for dumps, the launcher's exit; the start-up limit here is 120 s.
     assert time.monotonic() - stopped < 30, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_stop_signal_between_read_steps_stops_every_rank_at_one_step_with_every_row_written(tmp_path):
+    """With log.every_steps above 1 the loop reads a step's numbers (the stop votes among them) only every few
+    steps: SIGTERM between two reads still stops both ranks at the same step, within the grace, with its
+    checkpoint, and metrics.jsonl holds a row for every step up to it."""
+    write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
+    config = CONFIG.format(engine="ddp").replace("max_steps: 4", "max_steps: 100000")
+    config = config.replace("stall_timeout_s: 4", "stall_timeout_s: 30").replace(
+        "log: {progress: lines}", "log: {progress: lines, every_steps: 7}"
+    )
+    (tmp_path / "cfg.yaml").write_text(config)
+    command = [TUNEFORGE, "train", str(tmp_path / "cfg.yaml"), "--work-dir", str(tmp_path / "run")]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_heartbeat(tmp_path / "run" / "diagnostics" / "live" / "rank-1.json", lambda beat: beat["step"] >= 10)
+    signalled = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 143, err[-3000:]
+    assert time.monotonic() - signalled < 25 + 15, err[-3000:]  # watchdog.stop_grace_s and the save
+    stopped = re.search(r"stopping after step (\d+): SIGTERM received by 2 of 2 rank\(s\)", out)
+    assert stopped, out[-3000:]
+    step = int(stopped.group(1))
+    assert (tmp_path / "run" / "checkpoints" / f"step-{step}" / "model.safetensors").exists()
+    rows = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, step + 1))

@@ -160,3 +160,23 @@ def test_a_whole_step_reads_tensor_values_on_the_host_once(tokenizer, monkeypatc
     monkeypatch.undo()
     assert during == [] and masks <= len(batches), reads
     assert loss > 0 and step.router_aux_loss is not None
+
+
+def test_a_steps_sums_are_read_back_by_name():
+    from tuneforge.train.loop import COUNTS, FIGURES, AccumulatedStep, SumsLayout, read_together
+
+    layout = SumsLayout(("rewards/margin", "rewards/accuracy"), signals=2)
+    assert layout.size == len(FIGURES) + 2 + len(COUNTS) + 2
+    values = [0.5, 0.25, 3.0, 2.0, 40, 50, 64, 1.5, 0, 1]  # loss, router, metrics, counts, votes
+    steps = [AccumulatedStep(torch.tensor(values, dtype=torch.float64), layout, True, 4) for _ in range(2)]
+    assert read_together(steps, [torch.tensor(2.5), 3.5]) == [2.5, 3.5]
+    step = steps[1]
+    assert (step.loss, step.router_aux_loss, step.num_targets, step.num_tokens, step.num_slots) == (
+        0.5,
+        0.25,
+        40,
+        50,
+        64,
+    )
+    assert step.metrics == {"rewards/margin": 0.75, "rewards/accuracy": 0.5}  # means over the step's 4 units
+    assert step.step_seconds == 1.5 and step.stop_votes == (0, 1)

@@ -170,10 +170,18 @@ def test_what_cannot_be_split_is_named():
 
 
 def test_resume_with_another_split_is_refused(tmp_path):
-    point = ResumePoint(4, 0, 16, 2, 2, 2, "ddp", sequence_parallel=2)
-    check_compatible(point, tmp_path, 2, 2, 2, "ddp", 2)
+    point = ResumePoint(
+        step=4, epoch=0, samples_consumed=16, world_size=2, micro_batch_size=2, gradient_accumulation=2, engine="ddp",
+        sequence_parallel=2,
+    )  # fmt: skip
+    shape = {"world_size": 2, "micro_batch_size": 2, "gradient_accumulation": 2, "engine": "ddp", "expert_parallel": 1}
+    check_compatible(point, tmp_path, **shape, sequence_parallel=2)
     with pytest.raises(UserError, match=r"written with parallel\.sequence_parallel=2, this run has 1"):
-        check_compatible(point, tmp_path, 2, 2, 2, "ddp", 1)
+        check_compatible(point, tmp_path, **shape, sequence_parallel=1)
+    with pytest.raises(
+        UserError, match=r"written by 2 process\(es\) with engine ddp, micro-batch 2 .* this run has 1,"
+    ):
+        check_compatible(point, tmp_path, **{**shape, "world_size": 1}, sequence_parallel=2)
 
 
 @pytest.mark.slow

@@ -268,3 +268,33 @@ def test_a_4bit_moe_staged_in_host_ram_loads_as_it_does_onto_the_gpu(tokenizer, 
     with torch.no_grad():
         logits = [loaded[s](input_ids=ids).logits.float() for s in ("device", "host")]
     torch.testing.assert_close(logits[0], logits[1], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo-adapters", "dpo-precompute", "dpo-model", "orpo", "reward"])
+def test_a_step_that_logs_nothing_does_not_synchronise_for_any_objective(tmp_path, monkeypatch, name):
+    """The CUDA form of `test_host_reads`: whole runs of each objective on the GPU, where the steps that print
+    no line, save, validate, sample nor check for a stop (see `READ_STEPS`) make no host synchronisation; the
+    others read every unread step's figures in one transfer."""
+    from test_host_reads import READ_STEPS, write_job
+    from tuneforge.train.loop import Trainer
+
+    from conftest import metrics, train_here
+
+    extra = write_job(tmp_path, name)
+    syncs: dict[int, list[str]] = {}
+    original = Trainer.train_step
+
+    def watched(self, step, epoch, micro_batches):
+        if step in READ_STEPS:
+            return original(self, step, epoch, micro_batches)
+        done = {}
+        sites = host_syncs(lambda: done.update(pending=original(self, step, epoch, micro_batches)))
+        syncs[step] = [site for site in sites if not site.startswith("masking_utils.py")]
+        return done["pending"]
+
+    monkeypatch.setattr(Trainer, "train_step", watched)
+    result = train_here(tmp_path / "cfg.yaml", tmp_path / "run", *extra)
+    monkeypatch.undo()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert syncs and all(sites == [] for sites in syncs.values()), syncs
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]

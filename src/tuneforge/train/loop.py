@@ -29,29 +29,67 @@ from tuneforge.train.saving import Checkpointer, chat_meta
 from tuneforge.train.schedule import LRSchedule, resolve_warmup
 from tuneforge.train.sinks import open_sinks
 from tuneforge.train.state import ResumePoint
-from tuneforge.train.telemetry import peak_memory_gb
+from tuneforge.train.telemetry import StepClock, peak_memory_gb
 from tuneforge.train.validate import ValidationResult, validation_loss
 from tuneforge.watchdog import STOP_SIGNALS
+
+FIGURES = ("loss", "router_aux_loss")
+"""Summed on the device over the micro-steps, first in a step's sums (the router term 0 without one)."""
+COUNTS = ("num_targets", "num_tokens", "num_slots", "step_seconds")
+"""Copied up from the host after the objective's metrics: target tokens, tokens, positions computed (padding
+included), and each rank's seconds per step as it last measured them (the pace of the stop checks)."""
+
+
+@dataclass(frozen=True)
+class SumsLayout:
+    """Where each figure of a step lives in its one tensor of sums, all-reduced once and read once: `FIGURES`,
+    the objective's metrics, `COUNTS`, then one stop vote per signal."""
+
+    metric_names: tuple[str, ...]
+    signals: int
+
+    @property
+    def metrics(self) -> slice:
+        return slice(len(FIGURES), len(FIGURES) + len(self.metric_names))
+
+    @property
+    def counts(self) -> slice:
+        return slice(self.metrics.stop, self.metrics.stop + len(COUNTS))
+
+    @property
+    def votes(self) -> slice:
+        return slice(self.counts.stop, self.counts.stop + self.signals)
+
+    @property
+    def size(self) -> int:
+        return self.votes.stop
+
+    def index(self, name: str) -> int:
+        """The position of a `FIGURES` or `COUNTS` entry."""
+        return FIGURES.index(name) if name in FIGURES else self.counts.start + COUNTS.index(name)
 
 
 @dataclass
 class AccumulatedStep:
-    """A step's sums over all ranks, left on the device (all-reduced in stream order) until `read`: the step's one
-    host read, which can take the optimizer step's gradient norm along."""
+    """A step's sums over all ranks, left on the device (all-reduced in stream order) until read: `read`, or
+    `read_together` for several steps at once, in one transfer that can take the gradient norms along."""
 
     sums: torch.Tensor
-    """loss, router balance loss, the objective's metrics, then target tokens, tokens, slots and stop votes."""
-    metric_names: tuple[str, ...]
+    """Laid out as `layout` says."""
+    layout: SumsLayout
     has_router_loss: bool
     step_units: int
     _values: list[float] | None = field(default=None, repr=False)
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return self.layout.metric_names
+
     def read(self, *device_values: torch.Tensor | float) -> list[float]:
         """Read the sums, and `device_values` (the gradient norm) with them, in one transfer; returns the latter."""
-        extra = [torch.as_tensor(v, dtype=torch.float64, device=self.sums.device).reshape(1) for v in device_values]
-        values = torch.cat([self.sums, *extra]).tolist()
-        self._values = values[: len(self.sums)]
-        return values[len(self.sums) :]
+        values = _read_all([self.sums, *(_as_sum(v, self.sums.device) for v in device_values)])
+        self._values = values[: self.layout.size]
+        return values[self.layout.size :]
 
     @property
     def _read(self) -> list[float]:
@@ -60,42 +98,69 @@ class AccumulatedStep:
         assert self._values is not None
         return self._values
 
+    def _named(self, name: str) -> float:
+        return self._read[self.layout.index(name)]
+
     @property
     def loss(self) -> float:
         """The objective's mean over the step's units (target tokens for SFT, pairs for preference objectives)."""
-        return self._read[0]
+        return self._named("loss")
 
     @property
     def router_aux_loss(self) -> float | None:
         """Router balance loss, weighted by each micro-batch's share of the step's units (MoE models only)."""
-        return self._read[1] if self.has_router_loss else None
+        return self._named("router_aux_loss") if self.has_router_loss else None
 
     @property
     def metrics(self) -> dict[str, float]:
         """The objective's figures (`Objective.metric_names`), each a mean over the step's units."""
-        values = self._read[2 : 2 + len(self.metric_names)]
+        values = self._read[self.layout.metrics]
         return {name: value / self.step_units for name, value in zip(self.metric_names, values, strict=True)}
-
-    def _count(self, offset: int) -> int:
-        return int(self._read[2 + len(self.metric_names) + offset])
 
     @property
     def num_targets(self) -> int:
-        return self._count(0)
+        return int(self._named("num_targets"))
 
     @property
     def num_tokens(self) -> int:
-        return self._count(1)
+        return int(self._named("num_tokens"))
 
     @property
     def num_slots(self) -> int:
         """Positions computed, padding included (rows x padded width), over all ranks."""
-        return self._count(2)
+        return int(self._named("num_slots"))
+
+    @property
+    def step_seconds(self) -> float:
+        """The ranks' seconds per step as each last measured them, summed (0 before any measured)."""
+        return self._named("step_seconds")
 
     @property
     def stop_votes(self) -> tuple[int, ...]:
         """Per stop signal (SIGTERM, SIGINT): how many ranks had received it by the end of the step."""
-        return tuple(int(v) for v in self._read[5 + len(self.metric_names) :])
+        return tuple(int(v) for v in self._read[self.layout.votes])
+
+
+def _as_sum(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
+
+
+def _read_all(parts: list[torch.Tensor]) -> list[float]:
+    return torch.cat(parts).tolist()
+
+
+def read_together(steps: list[AccumulatedStep], norms: list[torch.Tensor | float]) -> list[float]:
+    """Several steps' sums and their gradient norms in one host read; returns the norms."""
+    device = steps[0].sums.device
+    values = _read_all(
+        [part for step, norm in zip(steps, norms, strict=True) for part in (step.sums, _as_sum(norm, device))]
+    )
+    read, at = [], 0
+    for step in steps:
+        step._values = values[at : at + step.layout.size]
+        read.append(values[at + step.layout.size])
+        at += step.layout.size + 1
+    return read
 
 
 class StepObserver:
@@ -115,6 +180,10 @@ class StepObserver:
         """Per stop signal (SIGTERM, SIGINT): 1 if this rank received it."""
         return ()
 
+    def step_seconds(self) -> float:
+        """This rank's seconds per step as it last measured them (0: not yet)."""
+        return 0.0
+
 
 def accumulate_gradients(
     engine: Engine, micro_batches: list[MicroBatch], objective: Objective, observer: StepObserver | None = None
@@ -129,8 +198,8 @@ def accumulate_gradients(
     assert step_units > 0, "tokenization drops samples without targets"
     # Summed where the losses are: the closing sum reads them once per step, nothing reads them per micro-step.
     zero = torch.zeros((), dtype=torch.float32, device=objective.forward.device)
-    # loss, router balance loss, then the objective's metrics: summed on the device, read once at the end
-    totals = [zero] * (2 + len(objective.metric_names))
+    # FIGURES, then the objective's metrics: summed on the device, read once at the end
+    totals = [zero] * (len(FIGURES) + len(objective.metric_names))
     for index, batch in enumerate(micro_batches, start=1):
         observer.micro_step_started(index)
         with engine.micro_step(last=index == len(micro_batches)):
@@ -141,16 +210,20 @@ def accumulate_gradients(
         totals = [total + value for total, value in zip(totals, [terms.loss, aux, *metrics], strict=True)]
         observer.micro_step_done(index)
     observer.micro_steps_over()
-    counts = [
-        sum(mb.num_targets for mb in micro_batches),
-        sum(mb.num_tokens for mb in micro_batches),
-        sum(mb.input_ids.numel() for mb in micro_batches),
-        *observer.stop_requests(),
-    ]
+    counts = {
+        "num_targets": sum(mb.num_targets for mb in micro_batches),
+        "num_tokens": sum(mb.num_tokens for mb in micro_batches),
+        "num_slots": sum(mb.input_ids.numel() for mb in micro_batches),
+        "step_seconds": observer.step_seconds(),
+    }
+    votes = observer.stop_requests()
+    layout = SumsLayout(objective.metric_names, len(votes))
+    host = torch.tensor([*(counts[name] for name in COUNTS), *votes], dtype=torch.float64)
     # The closing sum, on the device: losses as they are (no read), counts and stop votes copied up to join them.
-    sums = torch.cat([torch.stack(totals).double(), to_device(torch.tensor(counts, dtype=torch.float64), zero.device)])
+    sums = torch.cat([torch.stack(totals).double(), to_device(host, zero.device)])
+    assert sums.numel() == layout.size
     engine.sum_tensor_across_ranks(sums)
-    return AccumulatedStep(sums, objective.metric_names, objective.balance is not None, step_units)
+    return AccumulatedStep(sums, layout, objective.balance is not None, step_units)
 
 
 def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
@@ -187,6 +260,34 @@ def step_groups(
         skip = 0
 
 
+STOP_CHECKS_PER_GRACE = 5
+"""Stop checks within `watchdog.stop_grace_s`: the steps' figures are read at least that often, by the pace the
+ranks agreed on, so a stop signal is seen and agreed on well before the watchdog's deadline."""
+MAX_UNREAD_STEPS = 64
+"""At most this many steps queued on the device with their figures not read on the host."""
+
+
+@dataclass
+class PendingStep:
+    """A step queued on the device whose figures the host has not read yet, with what its record and its checks
+    need beside them."""
+
+    step: int
+    epoch: int
+    lr: float
+    accumulated: AccumulatedStep
+    grad_norm: torch.Tensor | float
+    loss_scale: float | None
+    """The fp16 loss scale this step's gradients carry."""
+    scale_after: float | None
+    """The scale the engine goes on with after the step."""
+    origins: list[list[str]]
+    """Each micro-batch's samples, named if the step is not finite."""
+    started: torch.cuda.Event | float
+    ended: torch.cuda.Event | float
+    peak_memory_gb: float
+
+
 class Trainer:
     """Runs the steps. Every rank executes the same calls in the same order; only rank 0 writes files."""
 
@@ -201,6 +302,12 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.samples_consumed = 0
         self.stop_votes: tuple[int, ...] = ()
+        self.pending: list[PendingStep] = []
+        """Steps queued on the device whose figures are not read yet (see `reads_after`)."""
+        self.step_seconds = 0.0
+        """This rank's wall seconds per step over its last read window: the pace of the stop checks."""
+        self.next_check = 0
+        """The step after which the figures are read at the latest: the ranks' stop check (the same on all)."""
         self.peak_flops = peak_flops(parts.engine.info.device)
         train = cfg.train
         per_epoch = steps_per_epoch(len(parts.planner), train.gradient_accumulation)
@@ -251,7 +358,8 @@ class Trainer:
             else None
         )
         history: list[dict] = []
-        self.started = time.monotonic()
+        self.started = self.window_started = time.monotonic()
+        self.clock = StepClock(self.engine.info.device)
         try:
             if cfg.eval.sample_at_start and cfg.eval.sample_prompts and start_step == 0:
                 self.sample_chats(step=0)
@@ -260,19 +368,27 @@ class Trainer:
             for step in range(start_step + 1, self.total_steps + 1):
                 self.watchdog.beat("data", training=step > 1, step=step, micro_step=0)
                 epoch, micro_batches = next(groups)
-                record = self.train_step(step, epoch, micro_batches)
+                self.pending.append(self.train_step(step, epoch, micro_batches))
                 every = cfg.eval.every_steps
-                if self.parts.validation and ((every and step % every == 0) or step == self.total_steps):
+                validating = bool(self.parts.validation) and ((every and step % every == 0) or step == self.total_steps)
+                sample_every = cfg.eval.sample_every_steps
+                sampling = bool(sample_every) and step % sample_every == 0 and step < self.total_steps
+                saving = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
+                if not (validating or sampling or saving or self.reads_after(step)):
+                    continue  # nothing of this step is needed on the host yet: the device goes on to the next
+                records = self.read_pending()
+                if validating:
                     validated = self.validate(step, epoch)
-                    record["val_loss"] = validated.loss
-                    record.update({f"val_{name}": value for name, value in validated.metrics.items()})
-                if metrics_log is not None:
-                    metrics_log.write(record)
-                history.append(record)
-                self.progress.step(step, record)
-                if cfg.eval.sample_every_steps and step % cfg.eval.sample_every_steps == 0 and step < self.total_steps:
+                    records[-1]["val_loss"] = validated.loss
+                    records[-1].update({f"val_{name}": value for name, value in validated.metrics.items()})
+                for record in records:
+                    if metrics_log is not None:
+                        metrics_log.write(record)
+                    history.append(record)
+                    self.progress.step(record["step"], record)
+                if sampling:
                     self.sample_chats(step)
-                if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                if saving:
                     self.checkpointer.save_step(self.resume_point(step, epoch))
                 self._stop_if_asked(step, epoch)
             self.watchdog.graceful = False  # the run is complete: a signal now stops it at once
@@ -287,11 +403,12 @@ class Trainer:
             self.progress.close()
         return history
 
-    def train_step(self, step: int, epoch: int, micro_batches: list[MicroBatch]) -> dict:
+    def train_step(self, step: int, epoch: int, micro_batches: list[MicroBatch]) -> PendingStep:
         """One optimizer step, top to bottom: the gradient of the mean loss over every target token of the
-        global batch, one clipped optimizer step (or a skipped one), and the step's record."""
+        global batch, one clipped optimizer step (skipped on the device where not finite), all queued on the
+        device without waiting for it; `read_pending` reads its figures later and checks them."""
         engine, train = self.engine, self.cfg.train
-        step_start = time.monotonic()
+        started = self.clock.mark()
         planned = planned_micro_batches(len(self.parts.planner), train.gradient_accumulation, step)
         self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
         observer = TrainerObserver(self, step, len(micro_batches))
@@ -301,22 +418,65 @@ class Trainer:
 
         lr = self.schedule(step)
         loss_scale = engine.loss_scale  # the scale this step's gradients carry
-        # The step's one host read: its sums and the gradient norm, after the optimizer step is queued.
-        (grad_norm,) = accumulated.read(engine.step(lr, train.max_grad_norm))
-        self.stop_votes = accumulated.stop_votes
+        grad_norm = engine.step(lr, train.max_grad_norm)  # a device tensor, read with the step's sums
+        return PendingStep(
+            step,
+            epoch,
+            lr,
+            accumulated,
+            grad_norm,
+            loss_scale,
+            engine.loss_scale,
+            [mb.origins for mb in micro_batches],
+            started,
+            self.clock.mark(),
+            peak_memory_gb(engine.info.device),
+        )
 
+    def reads_after(self, step: int) -> bool:
+        """Whether the host reads the queued steps' figures after `step` (checkpoints, validation and samples
+        read them too): the first step of this process, the steps that print a line, the last step, and the
+        stop checks. Every rank decides alike: from the config and the figures all of them read."""
+        first = step == self.progress.first_step + 1
+        logged = step % self.cfg.log.every_steps == 0
+        return first or logged or step == self.total_steps or step >= self.next_check
+
+    def read_pending(self) -> list[dict]:
+        """The queued steps' figures in one host read, then each step's checks (non-finite, fp16 overflow) and
+        record, in step order as if each had been read at its end; the stop votes of the last one, which hold
+        every request made so far (a request stays until the run stops), and the next stop check."""
+        pending, self.pending = self.pending, []
+        norms = read_together([p.accumulated for p in pending], [p.grad_norm for p in pending])
+        now = time.monotonic()
+        self.step_seconds = (now - self.window_started) / len(pending)
+        self.window_started = now
+        last = pending[-1].accumulated
+        self.stop_votes = last.stop_votes
+        self.next_check = pending[-1].step + self.steps_between_checks(last.step_seconds / self.engine.info.world_size)
+        return [self._checked_record(p, norm) for p, norm in zip(pending, norms, strict=True)]
+
+    def steps_between_checks(self, seconds_per_step: float) -> int:
+        """How many steps may go unread: `STOP_CHECKS_PER_GRACE` checks within the watchdog's stop grace at the
+        ranks' mean pace (read from the step's sums, so the same number on every rank); 1 before it is known."""
+        if seconds_per_step <= 0:
+            return 1
+        steps = int(self.watchdog.stop_grace_s / STOP_CHECKS_PER_GRACE / seconds_per_step)
+        return max(1, min(MAX_UNREAD_STEPS, steps))
+
+    def _checked_record(self, pending: PendingStep, grad_norm: float) -> dict:
+        accumulated, step = pending.accumulated, pending.step
         finite = math.isfinite(accumulated.loss) and math.isfinite(grad_norm)
-        overflow = not finite and self._fp16_overflow(step, accumulated.loss, loss_scale)
+        overflow = not finite and self._fp16_overflow(step, accumulated.loss, pending.loss_scale, pending.scale_after)
         if not finite and not overflow:
-            self._nonfinite_step(step, accumulated.loss, grad_norm, micro_batches)
+            self._nonfinite_step(step, accumulated.loss, grad_norm, pending.origins)
         self.nonfinite_in_row = 0 if finite or overflow else self.nonfinite_in_row + 1
-        record = self._record(step, epoch, lr, grad_norm, accumulated, time.monotonic() - step_start)
+        record = self._record(pending, grad_norm)
         if not finite:
-            record["skipped"] = engine.skips_nonfinite
+            record["skipped"] = self.engine.skips_nonfinite
         if overflow:
             record["overflow"] = True
-        if loss_scale is not None:
-            record["loss_scale"] = loss_scale
+        if pending.loss_scale is not None:
+            record["loss_scale"] = pending.loss_scale
         return record
 
     def _stop_if_asked(self, step: int, epoch: int) -> None:
@@ -350,34 +510,33 @@ class Trainer:
             (self.work_dir / "diagnostics" / STOPPED).write_text(str(message) + "\n")
         raise message
 
-    def _record(
-        self, step: int, epoch: int, lr: float, grad_norm: float, accumulated: AccumulatedStep, seconds: float
-    ) -> dict:
-        info = self.engine.info
+    def _record(self, pending: PendingStep, grad_norm: float) -> dict:
+        info, accumulated = self.engine.info, pending.accumulated
+        seconds = self.clock.seconds(pending.started, pending.ended)
         record = {
-            "step": step,
-            "epoch": epoch,
+            "step": pending.step,
+            "epoch": pending.epoch,
             "loss": accumulated.loss,
-            "lr": lr,
+            "lr": pending.lr,
             "grad_norm": grad_norm,
             "tokens_per_s": accumulated.num_tokens / seconds,
             "trained_tokens_per_s": accumulated.num_targets / seconds,
             "tokens": accumulated.num_tokens,
             "trained_tokens": accumulated.num_targets,
             "padding": 1 - accumulated.num_tokens / accumulated.num_slots,
-            "elapsed_s": time.monotonic() - self.started,
+            "elapsed_s": self.clock.since_origin(pending.ended),
         }
         flops = self.parts.flops_per_token * accumulated.num_tokens / seconds
         record["model_tflops"] = flops / 1e12
         if self.peak_flops:
             record["mfu"] = flops / (self.peak_flops * info.world_size)
-        record["peak_memory_gb"] = peak_memory_gb(info.device)
+        record["peak_memory_gb"] = pending.peak_memory_gb
         if accumulated.router_aux_loss is not None:
             record["router_aux_loss"] = accumulated.router_aux_loss
         record.update(accumulated.metrics)
         return record
 
-    def _fp16_overflow(self, step: int, loss: float, loss_scale: float | None) -> bool:
+    def _fp16_overflow(self, step: int, loss: float, loss_scale: float | None, scale_after: float | None) -> bool:
         """Under dynamic fp16 scaling, gradients that overflow at a scale above the minimum are the scaler's
         normal search for its scale: skipped and counted, not an error. A non-finite loss, or an overflow at
         the smallest or a fixed scale, is a real non-finite step."""
@@ -386,13 +545,14 @@ class Trainer:
             return False
         self.progress.log(
             f"step {step}: fp16 gradients overflowed at loss scale {loss_scale:g}; the step was skipped and the "
-            f"scale lowered to {self.engine.loss_scale:g}"
+            f"scale lowered to {scale_after:g}"
         )
         return True
 
-    def _nonfinite_step(self, step: int, loss: float, norm: float, micro_batches: list[MicroBatch]) -> None:
+    def _nonfinite_step(self, step: int, loss: float, norm: float, micro_batch_origins: list[list[str]]) -> None:
         """Report the step with the samples of the whole global batch; stop after too many in a row."""
-        origins = gather_objects(sorted({o for mb in micro_batches for o in mb.origins}), self.engine.info)
+        mine = sorted({o for batch in micro_batch_origins for o in batch})
+        origins = gather_objects(mine, self.engine.info)
         samples = sorted({o for rank_origins in origins for o in rank_origins})
         shown = ", ".join(samples[:8]) + (f" and {len(samples) - 8} more" if len(samples) > 8 else "")
         skipped = self.engine.skips_nonfinite
@@ -448,20 +608,20 @@ class Trainer:
         """Where the run is after `step`: what a step checkpoint records for an exact resume."""
         train = self.cfg.train
         return ResumePoint(
-            step,
-            epoch,
-            self.samples_consumed,
-            self.engine.info.world_size,
-            train.micro_batch_size,
-            train.gradient_accumulation,
-            self.engine.name,
-            self.best_val_loss if self.best_val_loss < float("inf") else None,
-            self.parts.run_id or None,
-            self.parts.layout.size,
-            self.data_signature,
-            self.cfg.parallel.expert_parallel,
-            train.precision,
-            data_plan(self.cfg),
+            step=step,
+            epoch=epoch,
+            samples_consumed=self.samples_consumed,
+            world_size=self.engine.info.world_size,
+            micro_batch_size=train.micro_batch_size,
+            gradient_accumulation=train.gradient_accumulation,
+            engine=self.engine.name,
+            best_val_loss=self.best_val_loss if self.best_val_loss < float("inf") else None,
+            run_id=self.parts.run_id or None,
+            sequence_parallel=self.parts.layout.size,
+            train_data=self.data_signature,
+            expert_parallel=self.cfg.parallel.expert_parallel,
+            precision=train.precision,
+            data_plan=data_plan(self.cfg),
         )
 
 
@@ -469,6 +629,7 @@ class TrainerObserver(StepObserver):
     """Heartbeats to the watchdog and the progress line's micro-step timing, for one step of a Trainer."""
 
     def __init__(self, trainer: Trainer, step: int, count: int):
+        self.trainer = trainer
         self.watchdog = trainer.watchdog
         self.progress = trainer.progress
         self.step = step
@@ -490,3 +651,6 @@ class TrainerObserver(StepObserver):
     def stop_requests(self) -> tuple[int, ...]:
         received = self.watchdog.stop_signal
         return tuple(int(received == number) for number in STOP_SIGNALS)
+
+    def step_seconds(self) -> float:
+        return self.trainer.step_seconds

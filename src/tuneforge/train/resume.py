@@ -123,12 +123,12 @@ def checked_resume(
         check_compatible(
             point,
             resume_dir,
-            info.world_size,
-            train.micro_batch_size,
-            train.gradient_accumulation,
-            engine_name,
-            cfg.parallel.sequence_parallel,
-            cfg.parallel.expert_parallel,
+            world_size=info.world_size,
+            micro_batch_size=train.micro_batch_size,
+            gradient_accumulation=train.gradient_accumulation,
+            engine=engine_name,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            expert_parallel=cfg.parallel.expert_parallel,
         )
         check_same_quantization(resume_dir, cfg.model.quantization)
         check_same_data_plan(point, resume_dir, data_plan(cfg))

@@ -27,8 +27,10 @@ TRAINING_STATE = "training_state"
 STATE_FILE = "state.json"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ResumePoint:
+    """Where a run stood after a step, and the settings it was written with (`state.json`, by field name)."""
+
     step: int
     epoch: int
     samples_consumed: int
@@ -233,35 +235,50 @@ def find_resume(
     return None
 
 
-def check_compatible(
-    point: ResumePoint,
-    checkpoint: Path,
-    world_size: int,
-    micro: int,
-    accumulation: int,
-    engine: str,
-    sequence_parallel: int = 1,
-    expert_parallel: int = 1,
-):
-    """Sharded states and the data plan are tied to the world size and batch shape they were written with."""
-    expected = (point.world_size, point.micro_batch_size, point.gradient_accumulation, point.engine)
-    if expected != (world_size, micro, accumulation, engine):
+@dataclass(frozen=True)
+class MustMatch:
+    """A setting a step checkpoint records that a resumed run must share."""
+
+    field: str
+    """The `ResumePoint` field, and the keyword `check_compatible` takes this run's value by."""
+    setting: str | None = None
+    """The config setting said in its own message (`parallel.sequence_parallel`); None: said with the batch shape."""
+    why: str = ""
+    """Why it must match, for its own message."""
+
+
+MUST_MATCH = (
+    MustMatch("world_size"),
+    MustMatch("micro_batch_size"),
+    MustMatch("gradient_accumulation"),
+    MustMatch("engine"),
+    MustMatch(
+        "sequence_parallel", "parallel.sequence_parallel", "the data-parallel size and so the order of the data differ"
+    ),
+    MustMatch("expert_parallel", "parallel.expert_parallel", "the engine's optimizer state is stored per expert shard"),
+)
+"""Sharded states and the data plan are tied to the world size and batch shape they were written with. The batch
+shape (no `setting`) is said in one message; a field more is one line here and one keyword at the caller."""
+
+
+def check_compatible(point: ResumePoint, checkpoint: Path, **this_run: object) -> None:
+    """`point` against this run's value of every `MUST_MATCH` field, given by field name."""
+    assert this_run.keys() == {match.field for match in MUST_MATCH}, sorted(this_run)
+    shape = [match.field for match in MUST_MATCH if match.setting is None]
+    if any(getattr(point, name) != this_run[name] for name in shape):
+        now = this_run
         raise UserError(
             f"--resume {checkpoint}: written by {point.world_size} process(es) with engine {point.engine}, "
             f"micro-batch {point.micro_batch_size} and accumulation {point.gradient_accumulation}; this run has "
-            f"{world_size}, {engine}, {micro} and {accumulation}. Resume with the same settings (export the "
-            "checkpoint and start a new run from it to change them)"
+            f"{now['world_size']}, {now['engine']}, {now['micro_batch_size']} and {now['gradient_accumulation']}. "
+            "Resume with the same settings (export the checkpoint and start a new run from it to change them)"
         )
-    why = {
-        "sequence_parallel": "the data-parallel size and so the order of the data differ",
-        "expert_parallel": "the engine's optimizer state is stored per expert shard",
-    }
-    for name, this_run in (("sequence_parallel", sequence_parallel), ("expert_parallel", expert_parallel)):
-        written = getattr(point, name)
-        if written != this_run:
+    for match in MUST_MATCH:
+        written = getattr(point, match.field)
+        if match.setting is not None and written != this_run[match.field]:
             raise UserError(
-                f"--resume {checkpoint}: written with parallel.{name}={written}, this run has {this_run}: "
-                f"{why[name]}. Resume with parallel.{name}={written}"
+                f"--resume {checkpoint}: written with {match.setting}={written}, this run has "
+                f"{this_run[match.field]}: {match.why}. Resume with {match.setting}={written}"
             )
 
 
