@@ -177,7 +177,10 @@ def definition(loss_type: str, beta: float, smoothing: float, chosen: float, rej
     raise AssertionError(loss_type)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+# The default loss in the fast tier; each other loss type's own equation in the slow one (seconds each on 2 cores).
+@pytest.mark.parametrize(
+    "loss_type", [t if t == "sigmoid" else pytest.param(t, marks=pytest.mark.slow) for t in LOSS_TYPES]
+)
 def test_the_dpo_loss_of_a_batch_equals_its_definition(tmp_path, tokenizer, loss_type):
     split = pair_data(tmp_path, tokenizer, [pair(i) for i in range(3)])
     data, model = split.data, lora_model(tokenizer)
@@ -462,6 +465,7 @@ log: {progress: lines}
         assert [r[key] for r in copy] == pytest.approx([r[key] for r in adapters], abs=1e-6), key
 
 
+@pytest.mark.slow  # three training runs (the tier guard in conftest.py)
 def test_a_resumed_run_builds_its_frozen_reference_from_the_model_before_training(tmp_path):
     """Full fine-tuning with `preference.reference: model`, resumed from its step-2 checkpoint: the copy is the
     model before training again (not the checkpoint's weights), so the resumed steps equal the uninterrupted

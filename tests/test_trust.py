@@ -309,9 +309,11 @@ def test_a_distributed_checkpoint_value_that_would_run_code_is_refused_by_the_fs
 
     hostile = {"w": torch.ones(2), "settings": {"lr": RunsACommand(tmp_path / "ran"), "betas": (0.9, 0.99)}}
     dcp.save(hostile, checkpoint_id=str(tmp_path / "bad"))
-    with pytest.raises(UserError, match=r"a value of the FSDP checkpoint \(settings.lr\) holds more than data"):
+    with pytest.raises(UserError, match=r"a value of the FSDP checkpoint \(settings.lr\) holds more than data") as info:
         load_data_only(state, tmp_path / "bad")
     assert not (tmp_path / "ran").exists()
+    assert "weights_only" not in str(info.value)  # torch's advice, to load it unsafely, is never quoted
+    assert str(info.value).endswith("tuneforge does not load files that could run code: take another checkpoint")
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ loads (safetensors, tokenizer with a Jinja chat template, generation config)."""
 from __future__ import annotations
 
 import json
-import shutil
+import os
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.model.portable_adapter import make_portable
-from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, share_as_umask_allows
+from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, remove_entry, share_as_umask_allows
 from tuneforge.trained import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -43,7 +43,29 @@ def attach_chat_template(tokenizer: PreTrainedTokenizerBase, meta: dict) -> str:
     return f"chat template: {spec if isinstance(spec, str) else 'inline'} written as Jinja into tokenizer_config.json"
 
 
+TMP_MARKER = ".tuneforge-export"
+"""Written first into `<parent>/.tmp-<name>`: an export that stopped half-way is recognised as one (and removed by
+the next), and a directory of that name without it, which may be someone's data, is never deleted."""
+
+
 def _prepare_out(out: Path) -> Path:
+    tmp = _check_out(out)
+    try:
+        remove_entry(tmp)  # a half-written export of an earlier run (`_check_out` made sure)
+        tmp.mkdir(parents=True)
+        (tmp / TMP_MARKER).write_text("tuneforge export in progress\n")
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot be created ({exc.strerror}); choose another directory") from None
+    return tmp
+
+
+def _check_out(out: Path) -> Path:
+    """Refusals of `--out` said before anything is loaded; returns the temporary directory written first."""
+    if out.is_symlink():
+        raise UserError(
+            f"--out {out}: is a symbolic link (to {os.readlink(out)}); export writes a new directory at the path "
+            "given and never through a link: pass the real path, or another one"
+        )
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: a file of that name exists; export writes a directory: choose another path")
     if out.exists() and any(out.iterdir()):
@@ -53,19 +75,63 @@ def _prepare_out(out: Path) -> Path:
     if problems := writable_problems("--out", out):
         raise UserError(problems[0])
     tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as exc:
-        raise UserError(f"--out {out}: cannot be created ({exc.strerror}); choose another directory") from None
+    if tmp.is_symlink() or (tmp.exists() and not (tmp.is_dir() and (tmp / TMP_MARKER).is_file())):
+        raise UserError(
+            f"--out {out}: {tmp} exists and is not a half-written export of tuneforge's (it lacks {TMP_MARKER}, or "
+            "is a link or a file); export writes there first: move it away or choose another --out"
+        )
     return tmp
 
 
 def _finish(tmp: Path, out: Path) -> None:
+    _drop_dangling_auto_map(tmp)
+    if out.is_symlink():  # made since the export began: never followed, never replaced
+        raise UserError(f"--out {out}: became a symbolic link while exporting; the export is left in {tmp}")
+    (tmp / TMP_MARKER).unlink()
     share_as_umask_allows(tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)
+
+
+AUTO_MAP_FILES = ("config.json", "tokenizer_config.json")
+
+
+def _drop_dangling_auto_map(directory: Path) -> None:
+    """`auto_map` entries of the exported config and tokenizer config that name Python code not in `directory`
+    (the checkpoint's own code, where transformers' native class was used instead, is not copied) are dropped:
+    the export then loads with transformers' classes, without remote code, and never fetches code from elsewhere
+    (a `repo--module.Class` entry)."""
+    present = {path.stem for path in directory.glob("*.py")}
+
+    def local(reference: object) -> bool:
+        if reference is None:
+            return True
+        if not isinstance(reference, str) or "--" in reference:
+            return False
+        return reference.rpartition(".")[0] in present
+
+    for name in AUTO_MAP_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text(encoding="utf-8"))
+        auto_map = config.get("auto_map") if isinstance(config, dict) else None
+        if auto_map is None:
+            continue
+        kept = {}
+        if isinstance(auto_map, dict):
+            for key, value in auto_map.items():
+                references = value if isinstance(value, list | tuple) else [value]
+                if all(local(reference) for reference in references):
+                    kept[key] = value
+        if kept == auto_map:
+            continue
+        if kept:
+            config["auto_map"] = kept
+        else:
+            del config["auto_map"]
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def export(
@@ -77,6 +143,7 @@ def export(
     trust_remote_code: bool = False,
 ) -> list[str]:
     """Write the export atomically; returns lines describing it."""
+    _check_out(out)  # before the model loads: a refused --out is said at once
     meta = read_chat_meta(checkpoint) or {}
     adapter = is_adapter(checkpoint)
     if adapter and not merge:

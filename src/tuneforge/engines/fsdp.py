@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import pickle
 from pathlib import Path
 
 import torch
@@ -42,10 +43,15 @@ class DataOnlyLoadPlanner(DefaultLoadPlanner):
         try:
             torch.load(value, weights_only=True)
         except Exception as exc:  # UnpicklingError, and whatever a foreign value raises
-            reason = first_line(exc)
+            # Never torch's own text for a refused pickle: its advice is to load it with weights_only=False.
+            reason = (
+                "it names Python objects that would run code"
+                if isinstance(exc, pickle.UnpicklingError)
+                else first_line(exc)
+            )
             raise UserError(
                 f"--resume: a value of the FSDP checkpoint ({read_item.dest_index.fqn}) holds more than data "
-                f"({reason}); tuneforge loads files that hold data only"
+                f"({reason}); tuneforge does not load files that could run code: take another checkpoint"
             ) from None
         value.seek(0)
         super().load_bytes(read_item, value)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tuneforge.config.schema import ParallelConfig, TrainConfig
 from tuneforge.distributed import DistInfo
 from tuneforge.engines.base import Engine, EngineTraits, FrozenModel, OptimizerFactory
+from tuneforge.errors import UserError
 from tuneforge.model.moe import MoEMap
 
 
@@ -80,7 +83,7 @@ class SingleEngine(Engine):
                 self.scaler.save(directory)
 
     def load_state(self, directory: Path) -> None:
-        state = torch.load(directory / "engine.pt", map_location=self.info.device, weights_only=True)
+        state = load_data_only(directory / "engine.pt", self.info.device)
         parameters = dict(self.unwrapped.named_parameters())
         missing = sorted(set(state["model"]) - set(parameters))
         if missing:
@@ -91,3 +94,17 @@ class SingleEngine(Engine):
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None:
             self.scaler.load(directory)
+
+
+def load_data_only(path: Path, device: torch.device) -> Any:
+    """`torch.load` with the weights-only unpickler; a file that holds more than tensors and plain data (a pickle
+    naming other callables: code that would run) is refused with one message naming it, never with torch's advice
+    to load it unsafely."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(
+            f"--resume: {path} holds more than tensors and plain data (the Python objects it names would run code "
+            "when loaded); tuneforge does not load files that could run code. This checkpoint was not written by "
+            "tuneforge as it is: take another checkpoint (--resume PATH), or start afresh"
+        ) from None

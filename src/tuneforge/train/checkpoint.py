@@ -55,6 +55,31 @@ def temporary_dir(directory: Path) -> Path:
     return directory.parent / f".tmp-{directory.name}"
 
 
+def remove_entry(path: Path, ignore_errors: bool = False) -> bool:
+    """Remove `path` from its directory without ever following it: a symbolic link (to a directory outside the
+    work dir, in a work dir someone handed over) is unlinked, and what it points to is left alone; a directory is
+    removed with all it holds. Returns whether `path` is gone (with `ignore_errors`, a failure is not raised but
+    said in the result)."""
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+    except OSError:
+        if not ignore_errors:
+            raise
+    return not os.path.lexists(path)
+
+
+def fresh_dir(path: Path) -> None:
+    """An empty directory at `path` created by this process: whatever stood there (a half-written copy, or a link
+    someone planted) removed without being followed, and the directory made with `exist_ok=False`, so that what
+    is written into it never lands elsewhere."""
+    remove_entry(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir()
+
+
 MANIFEST = "manifest.json"
 """Every file of a committed checkpoint with its size: resume tells a complete checkpoint from one truncated or
 partly copied since (sizes, not checksums: reading back hundreds of GB at every resume costs too much)."""
@@ -97,14 +122,14 @@ def commit_checkpoint(tmp: Path, directory: Path) -> Path:
             sizes[file.relative_to(tmp).as_posix()] = file.stat().st_size
     (tmp / MANIFEST).write_text(json.dumps({"files": sizes}, indent=1))
     share_as_umask_allows(tmp)
-    if directory.exists():
+    if os.path.lexists(directory):  # a link in its place is renamed away as a link, never followed
         old = directory.parent / f".old-{directory.name}"
-        shutil.rmtree(old, ignore_errors=True)
+        remove_entry(old)
         directory.rename(old)
         tmp.rename(directory)
         # The new copy is in place: an old one that cannot be removed now (a file held open on NFS) is left for
         # the next run's start (`tidy_checkpoints`), not reported as a failed save.
-        shutil.rmtree(old, ignore_errors=True)
+        remove_entry(old, ignore_errors=True)
     else:
         tmp.rename(directory)
     return directory
@@ -120,8 +145,7 @@ def save_checkpoint(
 ) -> Path:
     """A model-only checkpoint from one process, written atomically."""
     tmp = temporary_dir(directory)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    fresh_dir(tmp)
     write_model_files(model, tokenizer, tmp, meta, config_file, state_dict)
     return commit_checkpoint(tmp, directory)
 
@@ -180,12 +204,19 @@ def set_aside_newer(checkpoints_dir: Path, step: int) -> list[str]:
     for _, path in step_checkpoints(checkpoints_dir):
         if int(path.name.removeprefix("step-")) <= step:
             continue
-        target, copies = checkpoints_dir / ABANDONED / path.name, 0
-        while target.exists():
+        abandoned = checkpoints_dir / ABANDONED
+        if abandoned.is_symlink():
+            raise UserError(
+                f"{abandoned} is a symbolic link (to {os.readlink(abandoned)}): tuneforge moves set-aside checkpoints "
+                "only within the work dir and never through a link; remove the link (or replace it with a copy of "
+                "what it points to), then start again"
+            )
+        target, copies = abandoned / path.name, 0
+        while os.path.lexists(target):
             copies += 1
-            target = checkpoints_dir / ABANDONED / f"{path.name}.{copies}"
-        target.parent.mkdir(exist_ok=True)
-        path.rename(target)
+            target = abandoned / f"{path.name}.{copies}"
+        abandoned.mkdir(exist_ok=True)
+        path.rename(target)  # a link is moved as a link
         lines.append(
             f"resume: {path} is newer than step {step}, which this run goes on from: moved to {target} (delete it "
             "when it is no longer needed)"
@@ -197,25 +228,55 @@ def tidy_checkpoints(checkpoints_dir: Path) -> list[str]:
     """What a run killed while saving left behind, cleared before this run resolves its resume point: a
     half-written `.tmp-NAME` is removed (a resumed run may never save NAME again), and a `.old-NAME`, the copy a
     replacement was about to remove, is put back where the kill came between its two renames, else removed.
-    Returns a line for each."""
+    Returns a line for each.
+
+    Symbolic links are never followed: a `.tmp-`/`.old-` link (left in a work dir someone handed over) is
+    unlinked, what it points to left alone; a link in the place of a checkpoint tuneforge writes (`step-N`,
+    `final`, `best`, `abandoned`) is refused, since saving or resuming through it would read or write outside
+    the work dir."""
     lines: list[str] = []
     if not checkpoints_dir.is_dir():
         return lines
-    for path in sorted(checkpoints_dir.iterdir()):
+    entries = sorted(checkpoints_dir.iterdir())
+    for path in entries:
+        if path.is_symlink() and (_STEP_DIR.match(path.name) or path.name in OWN_NAMES):
+            raise UserError(
+                f"{path} is a symbolic link (to {os.readlink(path)}), not a checkpoint this run wrote: tuneforge "
+                "neither resumes from nor writes through links in its checkpoints dir. Replace it with a copy of "
+                f"the checkpoint (`cp -rL`), or remove it, then start again (a checkpoint elsewhere: --resume PATH)"
+            )
+    for path in entries:
+        if not path.name.startswith((".tmp-", ".old-")):
+            continue
+        if path.is_symlink():
+            target = os.readlink(path)
+            if remove_entry(path, ignore_errors=True):
+                lines.append(f"checkpoints: removed the link {path} (not followed: {target} is left as it was)")
+            else:
+                lines.append(f"checkpoints: warning: could not remove the link {path}; remove it by hand")
+            continue
         if not path.is_dir():
             continue
         if path.name.startswith(".tmp-"):
-            shutil.rmtree(path, ignore_errors=True)
-            lines.append(f"checkpoints: removed {path}, half-written when an earlier run stopped")
-        elif path.name.startswith(".old-"):
+            lines.append(_removed(path, "half-written when an earlier run stopped"))
+        else:
             kept = path.with_name(path.name.removeprefix(".old-"))
-            if kept.exists():
-                shutil.rmtree(path, ignore_errors=True)
-                lines.append(f"checkpoints: removed {path}, the copy {kept} replaced")
+            if os.path.lexists(kept):
+                lines.append(_removed(path, f"the copy {kept} replaced"))
             else:
                 path.rename(kept)
                 lines.append(f"checkpoints: {kept} put back from {path}: a run stopped while replacing it")
     return lines
+
+
+OWN_NAMES = ("final", "best", ABANDONED)
+"""Entries of `checkpoints/` besides `step-N` that tuneforge writes into or moves things into."""
+
+
+def _removed(path: Path, why: str) -> str:
+    if remove_entry(path, ignore_errors=True):
+        return f"checkpoints: removed {path}, {why}"
+    return f"checkpoints: warning: could not remove {path} ({why}); remove it by hand"
 
 
 def prune_checkpoints(checkpoints_dir: Path, keep_last: int | None) -> list[Path]:
@@ -224,7 +285,7 @@ def prune_checkpoints(checkpoints_dir: Path, keep_last: int | None) -> list[Path
         return []
     removed = [path for _, path in step_checkpoints(checkpoints_dir)[:-keep_last]]
     for path in removed:
-        shutil.rmtree(path)
+        remove_entry(path)  # a link is unlinked: what it points to, outside the work dir, is never deleted
     return removed
 
 

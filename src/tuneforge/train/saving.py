@@ -27,7 +27,9 @@ from tuneforge.train.checkpoint import (
     QUANTIZED_EXPERTS,
     commit_checkpoint,
     directory_bytes,
+    fresh_dir,
     prune_checkpoints,
+    remove_entry,
     step_checkpoints,
     temporary_dir,
     write_model_files,
@@ -140,8 +142,10 @@ class Checkpointer:
 
     @staticmethod
     def _fresh(tmp: Path) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / TRAINING_STATE).mkdir(parents=True)
+        # Whatever stands at `.tmp-NAME` is removed without being followed (a link planted in a handed-over work
+        # dir is unlinked, its target left alone), and the directory is created anew: never written through.
+        fresh_dir(tmp)
+        (tmp / TRAINING_STATE).mkdir()
 
     def _write_state(self, tmp: Path) -> None:
         self.engine.save_state(tmp / TRAINING_STATE)
@@ -180,7 +184,7 @@ class Checkpointer:
             return
         written = directory_bytes_or_zero(tmp)
         if self.engine.info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_entry(tmp, ignore_errors=True)
         if errors and errors[0][1] == WriteFault.OTHER:
             raise errors[0][0]
         if votes[WriteFault.OTHER]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -18,7 +19,10 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tuneforge.errors import UserError
+import yaml
+
+from tuneforge.diagnostics.files import process_start_ticks
+from tuneforge.errors import UserError, first_line
 
 LOCK_FILE = ".tuneforge.lock"
 RUN_FILE = "run.json"
@@ -50,14 +54,40 @@ class Holder:
         return f"process {self.pid} on {self.host}, started {when}"
 
 
-def _alive(pid: int) -> bool:
+START_SLACK_S = 60.0
+"""How much later than the lock's `started` its holder's process may seem to have started (the boot time Linux
+reports is whole seconds, and the wall clock may have been adjusted since): a process started later than that is
+another one that reuses the holder's pid."""
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` started, as a wall-clock time (Linux: its start in clock ticks since boot, plus the boot
+    time); None where it cannot be read."""
+    ticks = process_start_ticks(pid)
+    if ticks is None:
+        return None
     try:
-        os.kill(pid, 0)
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _alive(holder: Holder) -> bool:
+    """Whether the process that took the lock still runs: its pid exists (an impossible pid, edited into the lock,
+    is no process), and it started before the lock was taken (a later one reuses the pid)."""
+    try:
+        os.kill(holder.pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
-        return True
-    return True
+        pass
+    except (OverflowError, ValueError, OSError):  # not a pid this system can have
+        return False
+    started = _process_start(holder.pid)
+    return started is None or started <= holder.started + START_SLACK_S
 
 
 def _read_holder(path: Path) -> Holder | None:
@@ -65,8 +95,9 @@ def _read_holder(path: Path) -> Holder | None:
         holder = Holder(**json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):  # vanished meanwhile, or half written by a process that died
         return None
-    valid = isinstance(holder.pid, int) and not isinstance(holder.pid, bool) and holder.pid > 0
+    valid = isinstance(holder.pid, int) and not isinstance(holder.pid, bool) and 0 < holder.pid < 2**31
     valid = valid and isinstance(holder.host, str) and isinstance(holder.started, int | float)
+    valid = valid and not isinstance(holder.started, bool) and math.isfinite(holder.started)
     return holder if valid else None  # edited by hand or by something else: a lock nobody holds
 
 
@@ -89,15 +120,20 @@ def take_lock(work_dir: Path) -> str:
                     f"work dir {work_dir} is in use by {holder.describe()}; wait for that run, use another "
                     f"--work-dir, or, if it is gone, delete {path}"
                 ) from None
-            if holder is not None and _alive(holder.pid):
+            if holder is not None and _alive(holder):
                 raise UserError(
                     f"work dir {work_dir} is in use by {holder.describe()}; wait for it to finish or use another "
-                    "--work-dir"
+                    f"--work-dir (if that process is not a tuneforge run in this work dir, delete {path})"
                 ) from None
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            gone = holder.describe() if holder is not None else "a process that died while taking it"
-            note = f"work dir: took over the lock left by {gone}, which is no longer running"
+            if holder is not None:
+                note = f"work dir: took over the lock {path} left by {holder.describe()}, which is no longer running"
+            else:
+                note = (
+                    f"work dir: took over the lock {path}, which names no running process (left by a process that "
+                    "died while taking it, or edited)"
+                )
     raise UserError(f"work dir {work_dir}: another run took the lock at the same moment; start again")
 
 
@@ -108,7 +144,7 @@ def lock_holder(work_dir: Path) -> tuple[bool | None, float | None]:
     holder = _read_holder(work_dir / LOCK_FILE)
     if holder is None:
         return None, None
-    return holder.host != socket.gethostname() or _alive(holder.pid), holder.started
+    return holder.host != socket.gethostname() or _alive(holder), holder.started
 
 
 def release_lock(work_dir: Path) -> None:
@@ -118,43 +154,102 @@ def release_lock(work_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def previous_outputs(work_dir: Path) -> list[str]:
-    found = [name for name in RUN_OUTPUTS if (work_dir / name).exists()]
+def _present(work_dir: Path) -> list[str]:
+    """Which of `RUN_OUTPUTS` are in `work_dir` (a link counts as there; an empty `checkpoints/` does not)."""
+    found = [name for name in RUN_OUTPUTS if os.path.lexists(work_dir / name)]
     checkpoints = work_dir / "checkpoints"
-    if "checkpoints" in found and not any(checkpoints.iterdir()):
+    real = "checkpoints" in found and checkpoints.is_dir() and not checkpoints.is_symlink()
+    if real and not any(checkpoints.iterdir()):
         found.remove("checkpoints")
-    return [name for name in found if name not in ("diagnostics", REFERENCE, RUN_FILE)]
+    return found
+
+
+def previous_outputs(work_dir: Path) -> list[str]:
+    """The outputs in `work_dir` that make it another run's: a fresh run is refused there (or moves them aside
+    with --archive-previous). Diagnostics, a reusable reference and the run record alone do not."""
+    return [name for name in _present(work_dir) if name not in ("diagnostics", REFERENCE, RUN_FILE)]
+
+
+def _shown(work_dir: Path, name: str) -> str:
+    return f"{name}/" if (work_dir / name).is_dir() and not (work_dir / name).is_symlink() else name
+
+
+def written_by_tuneforge(work_dir: Path) -> bool:
+    """Whether a tuneforge run recorded itself in `work_dir`: its `run.json`, or (a run from before run records)
+    the resolved `config.yaml` it wrote, which names every section of the config."""
+    if os.path.lexists(work_dir / RUN_FILE):
+        return True
+    try:
+        config = yaml.safe_load((work_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    from tuneforge.config.schema import Config
+
+    return isinstance(config, dict) and set(Config.model_fields) <= set(config)
 
 
 def start_run(work_dir: Path, resume: str | None, archive: bool) -> tuple[str, str]:
     """This run's id, and a note. A fresh run into another run's outputs is refused (or archives them with
-    `archive`); a resumed run keeps the id recorded in the work dir."""
+    `archive`); a resumed run keeps the id recorded in the work dir. Files that no tuneforge run recorded are
+    never moved: a fresh run into them is refused."""
     record = work_dir / RUN_FILE
-    if resume is not None and record.exists():
-        return json.loads(record.read_text(encoding="utf-8"))["run_id"], ""
+    if resume is not None and os.path.lexists(record):
+        return _recorded_id(record), ""
     note = ""
+    # A precomputed reference is checked when read: one copied in from another run is reused.
+    foreign = [name for name in _present(work_dir) if name != REFERENCE]
+    if foreign and resume is None and not written_by_tuneforge(work_dir):
+        raise UserError(
+            f"work dir {work_dir} holds {', '.join(_shown(work_dir, name) for name in foreign)}, but no tuneforge "
+            f"run recorded itself there (no {RUN_FILE}): tuneforge neither writes into nor moves files it did not "
+            "write. Train into another --work-dir, or move them away yourself"
+        )
     found = previous_outputs(work_dir)
     if found and resume is None:
+        moved = [name for name in RUN_OUTPUTS if os.path.lexists(work_dir / name)]
+        listed = ", ".join(_shown(work_dir, name) for name in moved)
         if not archive:
             raise UserError(
                 f"work dir {work_dir} holds another run's {', '.join(found)}; continue it with --resume auto, "
-                "train into another --work-dir, or pass --archive-previous to move the old run to "
-                f"{work_dir / PREVIOUS_RUNS}/ and start afresh"
+                "train into another --work-dir, or pass --archive-previous to move the old run "
+                f"({listed}) to {work_dir / PREVIOUS_RUNS}/ and start afresh"
+            )
+        if (work_dir / PREVIOUS_RUNS).is_symlink():
+            raise UserError(
+                f"{work_dir / PREVIOUS_RUNS} is a symbolic link (to {os.readlink(work_dir / PREVIOUS_RUNS)}): "
+                "--archive-previous moves the old run only within the work dir, never through a link; remove the "
+                "link, then start again"
             )
         destination = work_dir / PREVIOUS_RUNS / time.strftime("%Y%m%d-%H%M%S")
         destination.mkdir(parents=True)
-        moved = [name for name in RUN_OUTPUTS if (work_dir / name).exists()]
         for name in moved:
             shutil.move(str(work_dir / name), str(destination / name))
-        named = found + ([f"{REFERENCE}/"] if REFERENCE in moved else [])
-        note = f"work dir: the previous run's {', '.join(named)} moved to {destination}"
+        note = f"work dir: the previous run's {listed} moved to {destination}"
     run_id = uuid.uuid4().hex[:12]
     written = record.with_name(record.name + ".tmp")
+    written.unlink(missing_ok=True)  # never written through: a link there is replaced, not followed
     written.write_text(json.dumps({"run_id": run_id, "started": time.time()}), encoding="utf-8")
     written.replace(record)  # atomic: a reader sees the old record or the new one, never a part
     return run_id, note
 
 
+def _recorded_id(record: Path) -> str:
+    """The run id in `record` (run.json), or one message naming it when it is not tuneforge's record."""
+    try:
+        run_id = json.loads(record.read_text(encoding="utf-8"))["run_id"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError) as exc:
+        reason = first_line(exc) if not isinstance(exc, KeyError | TypeError | IndexError) else "no run_id in it"
+        run_id = None
+    else:
+        reason = f"run_id is {run_id!r}"
+    if not isinstance(run_id, str) or not run_id:
+        raise UserError(
+            f'{record}: not a run record tuneforge wrote ({reason}; it holds {{"run_id": ...}}). Delete it to '
+            "continue the newest checkpoint in this work dir with --resume auto, or train into another --work-dir"
+        )
+    return run_id
+
+
 def recorded_run(work_dir: Path) -> str | None:
     record = work_dir / RUN_FILE
-    return json.loads(record.read_text(encoding="utf-8"))["run_id"] if record.exists() else None
+    return _recorded_id(record) if os.path.lexists(record) else None
