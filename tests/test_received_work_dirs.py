@@ -335,3 +335,20 @@ def test_archiving_a_previous_run_names_every_path_it_moves(received):
     for name in moved:
         assert name in line, (name, line)
     assert line.endswith(f"moved to {archived}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["metrics.jsonl", "config.yaml"])
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_file_that_is_a_link_is_refused_and_its_target_left_as_it_was(received, tmp_path, name, resume):
+    """A handed-over work dir whose metrics.jsonl (or config.yaml, ...) links to a file elsewhere: the run would
+    append to (or replace) that file."""
+    config, work_dir = received
+    victim = outside_dir(tmp_path) / "keep.txt"
+    (work_dir / name).unlink()
+    (work_dir / name).symlink_to(victim)
+    extra = ["--resume", "auto"] if resume else ["--archive-previous"]
+    result = train_here(config, work_dir, "train.max_steps=6", *extra)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"{name} -> {victim}" in result.stderr and "never through a symbolic link" in result.stderr
+    assert victim.read_text() == "mine" and (work_dir / name).is_symlink()

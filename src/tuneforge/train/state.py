@@ -114,11 +114,11 @@ def _legacy_rng(path: Path) -> dict:
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, weights_only=True)
-    except Exception as exc:  # UnpicklingError and whatever a foreign file raises: the reason goes to the user
-        reason = first_line(exc, 300)
+    except Exception:  # UnpicklingError and whatever a foreign file raises
+        # torch's own message ends by advising weights_only=False, the one thing never to do with this file.
         raise UserError(
-            f"--resume: {path} holds more than random-generator states ({reason}); tuneforge does not load "
-            "files that could run code. Resume from a checkpoint you wrote, or start a new run"
+            f"--resume: {path} holds more than random-generator states; tuneforge does not load files that could "
+            "run code. Resume from a checkpoint you wrote, or start a new run"
         ) from None
 
 

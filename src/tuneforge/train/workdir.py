@@ -188,10 +188,21 @@ def written_by_tuneforge(work_dir: Path) -> bool:
     return isinstance(config, dict) and set(Config.model_fields) <= set(config)
 
 
+LINKS_REFUSED = ("config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "plot.png", "diagnostics", RUN_FILE)
+"""Files the run writes or replaces in its work dir: one that is a symbolic link (in a work dir someone handed
+over) would be written through, outside the work dir. (`checkpoints/` may be a link to a bigger disk.)"""
+
+
 def start_run(work_dir: Path, resume: str | None, archive: bool) -> tuple[str, str]:
     """This run's id, and a note. A fresh run into another run's outputs is refused (or archives them with
     `archive`); a resumed run keeps the id recorded in the work dir. Files that no tuneforge run recorded are
-    never moved: a fresh run into them is refused."""
+    never moved: a fresh run into them is refused, and so is a file the run writes that is a symbolic link."""
+    linked = [name for name in LINKS_REFUSED if (work_dir / name).is_symlink()]
+    if linked:
+        raise UserError(
+            f"work dir {work_dir}: {', '.join(f'{name} -> {os.readlink(work_dir / name)}' for name in linked)}: "
+            "a run writes these itself and never through a symbolic link; remove the link(s), then start again"
+        )
     record = work_dir / RUN_FILE
     if resume is not None and os.path.lexists(record):
         return _recorded_id(record), ""
