@@ -21,9 +21,12 @@ demo: $(STAMP)
 test: $(STAMP) lint
 	$(VENV)/bin/pytest -q
 
-# The edit-test loop: everything but the tests marked slow (training runs, subprocesses, several ranks).
+# The edit-test loop: everything but the tests marked slow (training runs, subprocesses, several ranks); a test
+# outside that tier that trains or starts a process fails (tests/conftest.py). One OpenMP thread: on a busy 2-core
+# machine torch's second thread spin-waits for a core and the tier took 2-5 min instead of ~25 s; tiny models lose
+# nothing by it, and no process starts in this tier to inherit it.
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow"
 
 # On a machine with a CUDA GPU (and a CUDA build of torch): the GPU hot path's checks, skipped elsewhere.
 gpu-test: $(STAMP)

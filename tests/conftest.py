@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
 import json
 import os
 import socket
 import subprocess
 import sys
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,6 +49,135 @@ ENGINES = {
     "zero3_offload": ["parallel.engine=deepspeed", "parallel.zero_stage=3", "parallel.cpu_offload=all"],
 }
 """Overrides that pick each multi-rank engine set-up the tests cover."""
+
+
+class TierLeak(BaseException):
+    """A test outside the `slow` tier trained, launched or started a process. A BaseException, so that the code
+    under test (a CLI that turns errors into an exit code, a probe that falls back on failure) cannot swallow it;
+    the test fails at its end all the same if it was (see `pytest_runtest_call`)."""
+
+
+TIER_LEAKS = pytest.StashKey[list[str]]()
+"""What a running test outside the `slow` tier did that belongs in it."""
+_GUARDED: list[pytest.Item] = []
+"""The test being run, while it is one the tier guard watches (set up, call and tear down)."""
+
+
+def _guarded(item: pytest.Item) -> bool:
+    # tests/gpu is its own tier (`make gpu-test`, skipped without a CUDA GPU): whole runs on the GPU by design.
+    return item.get_closest_marker("slow") is None and REPO / "tests" / "gpu" not in Path(item.path).parents
+
+
+def _leak(what: str, process: bool) -> None:
+    if not _GUARDED:
+        return
+    item = _GUARDED[-1]
+    trivial = item.get_closest_marker("trivial_process")
+    if process and trivial is not None:
+        if not trivial.args:
+            raise TierLeak("@pytest.mark.trivial_process needs its reason: which process, and why it is trivial")
+        return
+    item.stash.setdefault(TIER_LEAKS, []).append(what)
+    raise TierLeak(f"{item.nodeid} {what} outside the slow tier: mark it @pytest.mark.slow")
+
+
+def _install_tier_guard() -> None:
+    """Wraps what trains and what starts a process to call `_leak` first. subprocess.Popen covers run, call and
+    check_output; multiprocessing's start covers torch's spawn and DataLoader workers."""
+    import multiprocessing.process
+
+    def wrap(owner, name: str, what, process: bool = True) -> None:
+        original = getattr(owner, name, None)
+        if original is None or getattr(original, "tier_guarded", False):
+            return
+
+        def guarded(*args, **kwargs):
+            _leak(what(args, kwargs) if callable(what) else what, process)
+            return original(*args, **kwargs)
+
+        functools.update_wrapper(guarded, original)
+        if isinstance(owner, types.ModuleType):  # pickled by reference (a hostile pickle's os.fork) as before
+            guarded.__module__, guarded.__qualname__ = owner.__name__, name
+        guarded.tier_guarded = True
+        setattr(owner, name, guarded)
+
+    def command(args, kwargs) -> str:
+        argv = args[1] if len(args) > 1 else kwargs.get("args")
+        words = argv.split() if isinstance(argv, str) else [str(a) for a in argv or []]
+        return f"starts a process ({' '.join(words)[:120]})"
+
+    wrap(subprocess.Popen, "__init__", command)
+    wrap(os, "fork", "starts a process (os.fork)")
+    wrap(multiprocessing.process.BaseProcess, "start", "starts a process (multiprocessing)")
+    # The set-up of a training run (data, model, engine) and the loop; the refusals before it (inputs, resume, work
+    # dir) are quick and stay in the fast tier. Wrapped once imported: importing them here would cost each pytest
+    # run seconds.
+    after_import["tuneforge.train.run"] = lambda m: wrap(m, "setup", "trains (a run's set-up)", process=False)
+    after_import["tuneforge.train.loop"] = lambda m: wrap(m.Trainer, "run", "trains (Trainer.run)", process=False)
+    for name, patch in after_import.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    sys.meta_path.insert(0, _PatchAfterImport())
+
+
+after_import: dict[str, Callable[[types.ModuleType], None]] = {}
+"""Module name -> what to do to the module once it is imported."""
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs `after_import`'s patch of a module right after the module is first imported."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in after_import:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+
+                def exec_and_patch(module, exec_module=exec_module):
+                    exec_module(module)
+                    after_import[fullname](module)
+
+                spec.loader.exec_module = exec_and_patch
+                return spec
+        return None
+
+
+def pytest_configure(config):
+    _install_tier_guard()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The tier guard watches each test outside the `slow` tier from its set-up to its tear-down."""
+    if _guarded(item):
+        _GUARDED.append(item)
+    try:
+        return (yield)
+    finally:
+        if _GUARDED and _GUARDED[-1] is item:
+            _GUARDED.pop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A leak the code under test caught and went on from still fails the test."""
+    try:
+        result = yield
+    except TierLeak:
+        raise
+    except BaseException as exc:
+        leaks = item.stash.get(TIER_LEAKS, None)
+        if leaks:
+            raise TierLeak(f"{item.nodeid} {leaks[0]} outside the slow tier: mark it @pytest.mark.slow") from exc
+        raise
+    leaks = item.stash.get(TIER_LEAKS, None)
+    if leaks:
+        raise TierLeak(f"{item.nodeid} {leaks[0]} outside the slow tier: mark it @pytest.mark.slow")
+    return result
 
 
 def free_port() -> int:

@@ -16,6 +16,7 @@ from conftest import accumulate, chat, rows_batch, single_engine, tiny_llama, to
 RECORDS = [chat("a" * 5, "short"), chat("b" * 30, "a longer reply " * 3), chat("c" * 12, "mid reply")]
 
 
+@pytest.mark.slow  # torch.compile runs g++ (Inductor's C++ kernels): processes, and seconds of compiling
 def test_compiled_layers_give_eager_losses_and_gradients(tokenizer):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -202,6 +202,7 @@ def tiny_moe(model_type: str):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
 
 
+@pytest.mark.slow  # DeepSpeed's table of compatible ops compiles probes with gcc; a DeepSpeed engine per model
 def test_autoep_layers_compute_and_are_written_back_as_the_models_own(tmp_path, monkeypatch):
     """Every model type AutoEP runs with here: the converted model computes the same logits, and its weights
     come back under the model's own names and values. DeepSeek-V3 keeps a score correction bias on its gate,

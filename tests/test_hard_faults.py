@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tuneforge.train.checkpoint import checkpoint_problems
+from tuneforge.watchdog import SAME_STOP_S
 
 from conftest import ENGINES, TINY_LLAMA, TUNEFORGE, chat, free_port, launch, metrics, write_jsonl
 
@@ -208,7 +209,10 @@ def test_a_second_ctrl_c_during_the_stop_checkpoint_stops_every_process_at_once(
     job.send_signal(signal.SIGINT)
     wait_until(lambda: any(x["phase"] == "save" and x["rank"] == 0 for x in heartbeats(run)))
     pids = [beat["pid"] for beat in heartbeats(run)]
-    time.sleep(3)  # past the window in which a signal counts as the first one delivered twice
+    # A wait on the clock itself, not on an event: each rank opens the window in which a signal counts as the first
+    # one delivered twice when it takes that first one, which happened before its save phase showed; a second past
+    # the window's end from there.
+    time.sleep(SAME_STOP_S + 1)
     second = time.monotonic()
     job.send_signal(signal.SIGINT)
     _, err = job.communicate(timeout=120)

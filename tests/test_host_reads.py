@@ -59,6 +59,7 @@ def write_job(directory, name: str) -> list[str]:
     return extra
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_a_step_that_logs_nothing_reads_nothing_from_the_device(tmp_path, monkeypatch, name):
     extra = write_job(tmp_path, name)

@@ -94,7 +94,8 @@ def trained_lora_checkpoint(tmp_path, tokenizer, quantization: dict | None):
     return checkpoint, logits
 
 
-@pytest.mark.parametrize("quantization", [None, QLORA], ids=["lora", "qlora"])
+# The 4-bit form in the slow tier (bitsandbytes' CPU kernels, seconds); the plain LoRA form stays fast.
+@pytest.mark.parametrize("quantization", [None, pytest.param(QLORA, marks=pytest.mark.slow)], ids=["lora", "qlora"])
 def test_exported_adapter_and_merged_model_reproduce_the_training_logits(tmp_path, tokenizer, quantization):
     checkpoint, logits = trained_lora_checkpoint(tmp_path, tokenizer, quantization)
     probe = probe_ids(tokenizer)
@@ -144,6 +145,7 @@ def test_bf16_export_halves_the_weights(tmp_path, tokenizer):
         export(checkpoint, tmp_path / "bf16", merge=True, dtype_name="bf16")
 
 
+@pytest.mark.slow  # an 8-bit base through bitsandbytes' CPU kernels: seconds; the export checks stay fast
 def test_8bit_base_weights_train_lora(tmp_path, tokenizer):
     from bitsandbytes.nn import Linear8bitLt
 
@@ -209,6 +211,7 @@ def test_qlora_loss_falls(tmp_path, capsys, architecture, size):
     assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
 
 
+@pytest.mark.slow  # a checkpoint, an export and two generations: an end-to-end round trip
 def test_chat_answers_the_same_from_an_adapter_checkpoint_and_its_merged_export(tmp_path, tokenizer, capsys):
     from tuneforge.cli import main
 

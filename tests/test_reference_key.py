@@ -31,7 +31,13 @@ def test_a_file_rewritten_in_place_with_its_times_restored_is_hashed_again(tmp_p
     assert len(said) == 1 and "hashing 1 model file(s)" in said[0]
     assert file_digests([weights], cache, said.append, lambda: None) == first and len(said) == 1  # from the cache
     times = weights.stat()
-    time.sleep(0.05)  # the kernel stamps change times from a coarse clock (a few ms): a later tick, as in life
+    # The kernel stamps change times from a coarse clock (a few ms): wait for a later tick, as in life.
+    tick, deadline = tmp_path / "tick", time.monotonic() + 10
+    tick.touch()
+    while tick.stat().st_ctime_ns <= times.st_ctime_ns:
+        assert time.monotonic() < deadline, "the change-time clock never ticked"
+        time.sleep(0.001)
+        tick.touch()
     with weights.open("r+b") as handle:  # the same inode, size and modification time: only the content differs
         handle.write(b"b")
     os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))

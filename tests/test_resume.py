@@ -356,6 +356,7 @@ def test_resume_refuses_another_quantization_of_the_base_before_loading_it(tmp_p
             check_same_quantization(tmp_path, current)
 
 
+@pytest.mark.slow
 def test_a_resume_under_auto_precision_goes_on_in_the_interrupted_runs_precision(job):
     """A run that computed in the precision `auto` would not pick on this machine (another machine's choice),
     resumed with `train.precision: auto`, continues in that precision: its steps equal the uninterrupted run's.
