@@ -79,8 +79,9 @@ def hostile_run(root: Path) -> Path:
     lines = [json.dumps(row).encode() for row in rows] + [b'{"step": 4, "loss": 1.5, "lr": "\xff\xfe"}', b"[" * 100_000]
     (run / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     chats = [
-        {"step": "[bold]7", "prompt": MARKUP[0] + ESCAPES["clipboard"], "reply": "a [/INST] b " + ESCAPES["clear"]},
-        {"step": "[bold]7", "prompt": 5, "reply": None},
+        {"step": 7, "prompt": MARKUP[0] + ESCAPES["clipboard"], "reply": "a [/INST] b " + ESCAPES["clear"]},
+        {"step": 7, "prompt": 5, "reply": None},
+        {"step": "[bold]7", "prompt": "a step of another type: no sample record"},
         "just a string",
     ]
     (run / "samples.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats))
@@ -97,7 +98,7 @@ def test_watch_shows_escape_sequences_markup_and_wrong_types_from_every_run_file
     for markup in MARKUP:
         assert markup in out  # shown, not acted on
     assert "\\x1b]52;c;aGVsbG8=\\x07" in out and "\\x1b]0;pwned\\x1b\\" in out and "\\x9b2J" in out
-    assert "'a [/INST] b \\x1b[2J'" in out and "sample chat at step [bold]7" in out and "5 -> None" in out
+    assert "'a [/INST] b \\x1b[2J'" in out and "sample chat at step 7" in out and "5 -> None" in out
     assert "bad byte: \ufffd" in out and "tuneforge diagnosis: HANG (mismatch)" in out
     rows = [line.split("│")[1:4] for line in out.splitlines() if line.startswith("│ ") and "running" in line]
     assert [[cell.strip() for cell in row] for row in rows] == [
@@ -107,7 +108,7 @@ def test_watch_shows_escape_sequences_markup_and_wrong_types_from_every_run_file
     ]
     # Rows without an integer step and a numeric loss are counted; the others show what is a number.
     assert "loss 1.5000" in out and "lr   ?" in out and "step 4/9\n" in out and "val_loss" not in out
-    assert "left out: 3 line(s) of metrics.jsonl that are no step record; 1 line(s) of samples.jsonl" in out
+    assert "left out: 3 line(s) of metrics.jsonl that are no step record; 2 line(s) of samples.jsonl" in out
     assert "2 file(s) in diagnostics/live that are no heartbeat (rank-\\x1b]0;pwned\\x1b\\.json, rank-3.json)" in out
 
     (run / "diagnostics" / "report.txt").unlink()  # the same view without a diagnosis

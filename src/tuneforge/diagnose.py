@@ -15,6 +15,7 @@ from tuneforge.diagnostics.files import STOPPED, black_box_file
 from tuneforge.diagnostics.recorder import read_black_box
 from tuneforge.diagnostics.report import REPORT, build_report
 from tuneforge.errors import UserError
+from tuneforge.run_files import RunFiles
 from tuneforge.terminal import safe_text
 
 MAX_WORLD_SIZE = 1 << 16
@@ -155,7 +156,7 @@ def last_report(work_dir: Path) -> str:
 
 
 def _last_report(work_dir: Path) -> str:
-    diagnostics = work_dir / "diagnostics"
+    diagnostics = RunFiles(work_dir).diagnostics
     if (diagnostics / REPORT).is_file():
         return _read_text(diagnostics / REPORT).rstrip()
     if not diagnostics.exists():
@@ -176,8 +177,8 @@ def _ended_without_a_stall(work_dir: Path, beats: list[dict]) -> str:
 
     step = max(beat.get("step") or 0 for beat in beats)
     total = beats[0].get("total_steps")
-    final = work_dir / "checkpoints" / "final"
-    steps = step_checkpoints(work_dir / "checkpoints")
+    final = RunFiles(work_dir).checkpoints / "final"
+    steps = step_checkpoints(RunFiles(work_dir).checkpoints)
     newest = f"the newest step checkpoint is {steps[-1][1]}" if steps else "no step checkpoint was kept"
     if total is not None and step >= total:
         kept = f"its final checkpoint is {final}" if final.exists() else f"no final checkpoint was saved; {newest}"
@@ -209,7 +210,7 @@ def _answer(rank: int, state: dict) -> str:
 def live_dump(work_dir: Path, timeout_s: float = 10.0) -> str:
     """Ask every rank's watchdog thread (it runs even when the main thread is blocked) to dump its stacks and
     collectives; wait for the answers; summarise where each rank is, as text safe to print."""
-    diagnostics = work_dir / "diagnostics"
+    diagnostics = RunFiles(work_dir).diagnostics
     world_size = _world_size(diagnostics)
     request = diagnostics / "live" / "request"
     request.write_text(str(time.time()))

@@ -19,10 +19,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as elastic_run
 
-from tuneforge.diagnostics.files import STOPPED
 from tuneforge.diagnostics.report import REPORT, build_report
 from tuneforge.errors import ERRORS_DIR_ENV, UserError, first_line
 from tuneforge.launcher_watch import LAUNCHER_PID
+from tuneforge.run_files import RunFiles
 from tuneforge.watchdog import SAME_STOP_S, STALL_EXIT_CODE, STOP_SIGNALS
 
 USER_ERROR_EXIT = 2
@@ -217,7 +217,7 @@ def _stopped_together(work_dir: Path | None, started: float) -> bool:
     """The ranks agreed to stop on a signal, saved what they could and said so: not a failure to diagnose."""
     if work_dir is None:
         return False
-    marker = work_dir / "diagnostics" / STOPPED
+    marker = RunFiles(work_dir).stopped
     return marker.exists() and marker.stat().st_mtime >= started
 
 
@@ -230,7 +230,7 @@ def report_failure(
     print(f"tuneforge: rank {first_rank_failed} failed first (exit {first.exitcode})", file=sys.stderr)
     if work_dir is None or first.exitcode == USER_ERROR_EXIT:
         return  # a configuration or data error, already explained by the ranks: not a hang
-    diagnostics = work_dir / "diagnostics"
+    diagnostics = RunFiles(work_dir).diagnostics
     report = diagnostics / REPORT
     if report.exists() and report.stat().st_mtime >= started:
         print(f"tuneforge: diagnosis above, and in {report}", file=sys.stderr)

@@ -25,10 +25,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from tuneforge.diagnostics.files import REPORT
 from tuneforge.errors import UserError
+from tuneforge.run_files import METRICS, RUN_FILE, SAMPLES, RunFiles, step_record
 from tuneforge.terminal import safe_text
-from tuneforge.train.workdir import LOCK_FILE, RUN_FILE, lock_holder
+from tuneforge.train.workdir import lock_holder
 
 BARS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 60
@@ -36,8 +36,6 @@ STALE_AFTER_S = 60.0
 """A heartbeat this much older than its stall timeout: the rank is gone (no diagnosis will come from it)."""
 WAIT_FOR_RUN_S = 300.0
 """How long a watch started before its run waits for the work dir to hold one (`--once` does not wait)."""
-METRICS = "metrics.jsonl"
-SAMPLES = "samples.jsonl"
 MAX_LINE_BYTES = 1 << 20
 """A JSON line longer than this is no record a run writes: it is counted as left out, never held in memory."""
 MAX_REPORT_BYTES = 64 << 10
@@ -309,7 +307,8 @@ class Tail(Generic[R]):
             elif self.skipping:
                 self.skipping = False
             elif line.strip():  # a blank line is no record, nor a damaged one
-                self.records.take(_parse(line))
+                record = step_record(line)  # the rule every reader of a run's logs applies
+                self.records.take(UNREADABLE if record is None else record)
 
 
 def _parse(line: bytes) -> object:
@@ -379,11 +378,11 @@ def _no_run(work_dir: Path) -> str | None:
     try:
         if not work_dir.is_dir():
             return _missing(work_dir)
-        beats = any((work_dir / "diagnostics" / "live").glob("rank-*.json"))
+        beats = any(RunFiles(work_dir).live.glob("rank-*.json"))
     except OSError as exc:
         return f"{work_dir}: cannot be read ({exc.strerror or exc})"
-    names = (RUN_FILE, LOCK_FILE, METRICS, f"diagnostics/{REPORT}")
-    if beats or any(_exists(work_dir / name) for name in names):
+    files = RunFiles(work_dir)
+    if beats or any(_exists(path) for path in (files.record, files.lock, files.metrics, files.report)):
         return None
     return (
         f"{work_dir}: not a run's work dir (no {RUN_FILE}, {METRICS}, heartbeat or lock in it); give the run's "
@@ -412,7 +411,7 @@ def _read_json(path: Path) -> object:
 
 
 def _run_started(work_dir: Path) -> float | None:
-    record = _read_json(work_dir / RUN_FILE)
+    record = _read_json(RunFiles(work_dir).record)
     return _finite(record.get("started")) if isinstance(record, dict) else None
 
 
@@ -427,7 +426,7 @@ def _lock(work_dir: Path) -> tuple[bool | None, float | None]:
 def _heartbeats(work_dir: Path, oldest: float | None) -> tuple[list[Beat], list[str]]:
     """This attempt's heartbeats, and the names of files there that are none."""
     beats, foreign = [], []
-    for path in sorted((work_dir / "diagnostics" / "live").glob("rank-*.json")):
+    for path in sorted(RunFiles(work_dir).live.glob("rank-*.json")):
         data = _read_json(path)
         if data is None:  # being replaced right now: the next refresh reads it
             continue
@@ -440,7 +439,7 @@ def _heartbeats(work_dir: Path, oldest: float | None) -> tuple[list[Beat], list[
 
 
 def _diagnosis(work_dir: Path, started: float | None) -> str | None:
-    report = work_dir / "diagnostics" / REPORT
+    report = RunFiles(work_dir).report
     try:
         if started is not None and report.stat().st_mtime < started:
             return None  # a previous run's
@@ -458,8 +457,9 @@ class RunReader:
 
     def __init__(self, work_dir: Path):
         self.work_dir = work_dir
-        self.metrics = Tail(work_dir / METRICS, Progress)
-        self.samples = Tail(work_dir / SAMPLES, Chats)
+        files = RunFiles(work_dir)
+        self.metrics = Tail(files.metrics, Progress)
+        self.samples = Tail(files.samples, Chats)
 
     def read(self) -> RunView:
         try:

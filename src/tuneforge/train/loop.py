@@ -14,7 +14,6 @@ import torch
 from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.loader import data_plan
-from tuneforge.diagnostics.files import STOPPED
 from tuneforge.distributed import gather_objects
 from tuneforge.engines import Engine
 from tuneforge.errors import StoppedBySignal, UserError
@@ -22,6 +21,7 @@ from tuneforge.estimate.hardware import peak_flops
 from tuneforge.generate import generate_replies
 from tuneforge.model.transfer import to_device
 from tuneforge.objective import Objective
+from tuneforge.run_files import RunFiles
 from tuneforge.train.metrics import MetricsLog
 from tuneforge.train.parts import RunParts
 from tuneforge.train.progress import ProgressReporter
@@ -325,13 +325,13 @@ class Trainer:
             cfg.log.progress if self.is_main else "off",
             cfg.log.every_steps,
         )
-        self.checkpoints_dir = parts.work_dir / "checkpoints"
+        self.checkpoints_dir = RunFiles(parts.work_dir).checkpoints
         self.data_signature = parts.planner.data.signature()  # recorded in every step checkpoint
         self.checkpointer = Checkpointer(
             parts.engine,
             parts.tokenizer,
             self.checkpoints_dir,
-            parts.work_dir / "config.yaml",
+            RunFiles(parts.work_dir).config,
             cfg.checkpoint.keep_last,
             chat_meta(cfg, parts.engine),
             self.progress.log,
@@ -350,7 +350,7 @@ class Trainer:
                 self.best_val_loss = start.best_val_loss
         metrics_log = (
             MetricsLog(
-                self.work_dir / "metrics.jsonl",
+                RunFiles(self.work_dir).metrics,
                 append=start_step > 0,
                 sinks=open_sinks(cfg.log, self.work_dir, cfg.model_dump(mode="json"), start_step),
             )
@@ -506,8 +506,8 @@ class Trainer:
             received.name, received, step, self.total_steps, str(checkpoint) if checkpoint else None
         )
         if self.is_main:
-            (self.work_dir / "diagnostics").mkdir(exist_ok=True)
-            (self.work_dir / "diagnostics" / STOPPED).write_text(str(message) + "\n")
+            RunFiles(self.work_dir).diagnostics.mkdir(exist_ok=True)
+            RunFiles(self.work_dir).stopped.write_text(str(message) + "\n")
         raise message
 
     def _record(self, pending: PendingStep, grad_norm: float) -> dict:
@@ -599,7 +599,7 @@ class Trainer:
             self.progress.log(f"[sample @ step {step}] {prompt!r} -> {reply!r}")
             lines.append(json.dumps({"step": step, "prompt": prompt, "reply": reply}, ensure_ascii=False) + "\n")
         try:
-            with (self.work_dir / "samples.jsonl").open("a", encoding="utf-8") as handle:
+            with RunFiles(self.work_dir).samples.open("a", encoding="utf-8") as handle:
                 handle.write("".join(lines))
         except OSError as exc:  # a full disk ends the run at the next checkpoint, not here
             self.progress.log(f"warning: samples.jsonl: step {step}'s samples not written ({exc.strerror})")

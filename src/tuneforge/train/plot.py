@@ -3,52 +3,26 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shlex
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tuneforge.errors import UserError
+from tuneforge.run_files import PLOT, RunFiles, StepLog, read_step_log
 
-PLOT_NAME = "plot.png"
-
-
-@dataclass
-class Metrics:
-    records: list[dict[str, Any]] = field(default_factory=list)
-    unreadable: list[int] = field(default_factory=list)  # line numbers that are not a JSON record
+PLOT_NAME = PLOT
 
 
-MAX_STEP = 1 << 53
-"""Steps up to here are exact as floats (the plot's axis); a larger one is no step a run logged."""
-
-
-def read_metrics(path: Path) -> Metrics:
-    """Every record of `path`. A line cut off by a crash (or not UTF-8, or no step record) is skipped but
-    counted, so the caller can say so."""
+def read_metrics(path: Path) -> StepLog:
+    """Every record of `path` (`run_files.step_record`'s rule): a line cut off by a crash, not UTF-8 or no step
+    record is left out but counted, so the caller can say so."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        return read_step_log(path)
     except OSError as exc:
         raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    metrics = Metrics()
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-            metrics.unreadable.append(number)
-            continue
-        step = record.get("step") if isinstance(record, dict) else None
-        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP:
-            metrics.records.append(record)
-        else:
-            metrics.unreadable.append(number)
-    return metrics
 
 
 def _finite(value: object) -> float | None:
@@ -74,7 +48,7 @@ def _warn(message: str) -> None:
 def plot_metrics(work_dir: Path, out: Path | None = None, warn: Callable[[str], None] = _warn) -> Path:
     """Draw `<work_dir>/metrics.jsonl` into `out` (default `<work_dir>/plot.png`) and return its path. Lines
     that are not records (one cut off by a crash) are left out, and `warn` is told how many."""
-    source = work_dir / "metrics.jsonl"
+    source = RunFiles(work_dir).metrics
     if not source.is_file():
         raise UserError(f"{work_dir}: no metrics.jsonl here; give the work dir of a run (tuneforge train --work-dir)")
     metrics = read_metrics(source)
@@ -134,7 +108,7 @@ def plot_metrics(work_dir: Path, out: Path | None = None, warn: Callable[[str], 
     return out
 
 
-def describe_unreadable(metrics: Metrics, source: Path) -> str:
+def describe_unreadable(metrics: StepLog, source: Path) -> str:
     shown = ", ".join(map(str, metrics.unreadable[:5])) + (", ..." if len(metrics.unreadable) > 5 else "")
     return f"{source}: {len(metrics.unreadable)} unreadable line(s) left out of the plot (line {shown})"
 

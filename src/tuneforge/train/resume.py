@@ -4,7 +4,6 @@ logs cut back to its step."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ from tuneforge.engines import Engine
 from tuneforge.errors import UserError, first_line
 from tuneforge.model.precision import choose_precision, native_cpu_half_precision, resumed_precision
 from tuneforge.model.quantized_experts import quantized_experts_count
+from tuneforge.run_files import RunFiles, step_record
 from tuneforge.train.checkpoint import set_aside_newer, step_checkpoints
 from tuneforge.train.loop import Trainer
 from tuneforge.train.state import (
@@ -51,10 +51,11 @@ def resume_from(
         fallback = f"; an older one: --resume {older[-1]}" if older else ""
         raise UserError(f"--resume {checkpoint}: its training state cannot be read ({reason}){fallback}") from None
     if info.is_main:
-        for log in ("metrics.jsonl", "samples.jsonl"):
-            if dropped := truncate_log(work_dir / log, point.step):
-                print(f"resume: {dropped} unreadable line(s) of {work_dir / log} dropped (cut off by a crash)")
-        for line in set_aside_newer(work_dir / "checkpoints", point.step):
+        files = RunFiles(work_dir)
+        for log in (files.metrics, files.samples):
+            if dropped := truncate_log(log, point.step):
+                print(f"resume: {dropped} unreadable line(s) of {log} dropped (cut off by a crash)")
+        for line in set_aside_newer(files.checkpoints, point.step):
             print(line)
     barrier(info)
     load_rng(checkpoint / TRAINING_STATE, info.rank)  # last: building the model and engine drew random numbers
@@ -68,13 +69,10 @@ def truncate_log(path: Path, step: int) -> int:
         return 0
     kept, dropped = [], 0
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line) if line.strip() else None
-        except ValueError:
-            record = None
-        if not isinstance(record, dict):
+        record = step_record(line) if line.strip() else None
+        if record is None:
             dropped += bool(line.strip())
-        elif record.get("step", 0) <= step:
+        elif record["step"] <= step:
             kept.append(line)
     # Written beside it and renamed over it: a kill or a full disk now leaves the whole log, never an empty one.
     tmp = path.with_name(f".{path.name}.{os.getpid()}")

@@ -44,6 +44,7 @@ from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.precision import with_precision
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
+from tuneforge.run_files import RunFiles
 from tuneforge.train.checkpoint import tidy_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.faults import FaultInjector, injected_fault
@@ -107,7 +108,7 @@ def _locked_run(
 ) -> dict:
     # Leftovers of a run killed while saving, cleared by the rank holding the work dir's lock before any rank
     # looks for its resume point.
-    for line in tidy_checkpoints(work_dir / "checkpoints") if info.is_main else []:
+    for line in tidy_checkpoints(RunFiles(work_dir).checkpoints) if info.is_main else []:
         say(line)
     barrier(info)
     # Everything that can refuse the run is checked before this run writes a file.
@@ -117,7 +118,7 @@ def _locked_run(
     cfg = with_precision(cfg, precision)  # every part reads the precision chosen, and config.yaml records it
     engine = EngineChoice.of(engine_name, cfg.parallel, cfg.train, info.device.type)  # traits at this precision
     run_id = record_run(cfg, work_dir, resume, archive_previous, info, say, lock_note)
-    say(f"work dir: {work_dir}  (resolved config: {work_dir / 'config.yaml'})")
+    say(f"work dir: {work_dir}  (resolved config: {RunFiles(work_dir).config})")
     chosen = " (parallel.engine=auto)" if cfg.parallel.engine == "auto" else ""
     say(
         f"engine: {engine_name}{chosen}, {info.world_size} process(es), device {info.device.type}, "
@@ -127,7 +128,7 @@ def _locked_run(
         say(f"precision: {precision} (train.precision={requested}: {why})")
     if info.distributed:
         RECORDER.install()  # before any engine exists: DeepSpeed keeps references to the functions it uses
-    watchdog = StallWatchdog.for_config(cfg.watchdog, work_dir / "diagnostics", info.rank, info.world_size)
+    watchdog = StallWatchdog.for_config(cfg.watchdog, RunFiles(work_dir).diagnostics, info.rank, info.world_size)
     watchdog.start()
     outcome = "failed"
     try:
@@ -161,9 +162,9 @@ def record_run(
         for note in (lock_note, run_note):
             if note:
                 say(note)
-        dump_config(cfg, work_dir / "config.yaml")
+        dump_config(cfg, RunFiles(work_dir).config)
         # Dumps of an earlier run in this work dir would confuse this run's diagnosis.
-        shutil.rmtree(work_dir / "diagnostics", ignore_errors=True)
+        shutil.rmtree(RunFiles(work_dir).diagnostics, ignore_errors=True)
     barrier(info)
     return run_id or recorded_run(work_dir) or ""
 
@@ -269,7 +270,7 @@ def frozen_reference(
         return None
     # Loaded once the engine holds the policy, so a sharding engine has freed the policy's whole copy first.
     with forked_rng(info.device):
-        copy = build_frozen_copy(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded)
+        copy = build_frozen_copy(cfg.model, tokenizer, cfg.train.seed, info, RunFiles(work_dir).base, traits.sharded)
     say(f"dpo reference: a frozen copy of the model before training, held like the policy ({traits.label})")
     return engine.frozen(copy)
 
@@ -341,7 +342,9 @@ def trainable_model(
     """The loaded model made trainable (adapters or frozen parts), its MoE map (found on the base model before
     adapters wrap it), the router balance hooks, and the model FLOPs a token needs."""
     scalar_head = cfg.objective.scalar_head
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, info, work_dir / "base", traits.sharded, scalar_head)
+    model = build_model(
+        cfg.model, tokenizer, cfg.train.seed, info, RunFiles(work_dir).base, traits.sharded, scalar_head
+    )
     architecture, model_config = type(model).__name__, model.config
     moe = find_moe(model)
     if moe:
@@ -472,9 +475,9 @@ def evaluate_exact_match(parts: RunParts, info: DistInfo, say: Say) -> float:
         on_batch=lambda: parts.watchdog.beat("eval"),
     )
     if info.is_main:
-        write_result(result, parts.work_dir / "eval.json")
+        write_result(result, RunFiles(parts.work_dir).eval_result)
     say(f"{result.label} accuracy: {result.accuracy:.3f}")
-    say(f"({result.correct}/{result.total} exact matches; details in {parts.work_dir / 'eval.json'})")
+    say(f"({result.correct}/{result.total} exact matches; details in {RunFiles(parts.work_dir).eval_result})")
     return result.accuracy
 
 
@@ -504,7 +507,7 @@ def closing_summary(history: list[dict], work_dir: Path, cfg: Config) -> list[st
             f"fp16 overflow steps skipped: {overflows} of {len(history)} (loss scale at the last step "
             f"{last['loss_scale']:g})"
         )
-    checkpoints = work_dir / "checkpoints"
+    checkpoints = RunFiles(work_dir).checkpoints
     final = checkpoints / "final"
     if cfg.checkpoint.save_final:
         lines.append(f"checkpoints: {checkpoints} (final model: {final})")
@@ -513,5 +516,5 @@ def closing_summary(history: list[dict], work_dir: Path, cfg: Config) -> list[st
         merge = " --merge" if cfg.model.lora is not None else ""
         out = shlex.quote(str(work_dir / "export"))
         lines.append(f"export it:     tuneforge export {shlex.quote(str(final))} --out {out}{merge}")
-    lines.append(f"metrics: {work_dir / 'metrics.jsonl'}")
+    lines.append(f"metrics: {RunFiles(work_dir).metrics}")
     return lines

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError, first_line
+from tuneforge.run_files import RunFiles
 from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta, step_checkpoints
 
 TRAINING_STATE = "training_state"
@@ -217,7 +218,7 @@ def find_resume(
         if problems := checkpoint_problems(path):
             raise UserError(f"--resume {path}: damaged since it was written: {'; '.join(problems)}")
         return path
-    for _, path in reversed(step_checkpoints(work_dir / "checkpoints")):
+    for _, path in reversed(step_checkpoints(RunFiles(work_dir).checkpoints)):
         # Damaged ones are passed over whichever run wrote them: the record of the run may be what is damaged.
         problems = checkpoint_problems(path)
         written_by = None

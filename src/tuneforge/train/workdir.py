@@ -23,23 +23,21 @@ import yaml
 
 from tuneforge.diagnostics.files import process_start_ticks
 from tuneforge.errors import UserError, first_line
-
-LOCK_FILE = ".tuneforge.lock"
-RUN_FILE = "run.json"
-PREVIOUS_RUNS = "previous-runs"
-REFERENCE = "reference"
-"""DPO's precomputed reference (`tuneforge.train.reference`): keyed by the model and the data and checked when
-read, so a fresh run may reuse it; archived with the run that computed it."""
-RUN_OUTPUTS = (
-    "checkpoints",
-    "metrics.jsonl",
-    "samples.jsonl",
-    "eval.json",
-    "plot.png",
-    "diagnostics",
+from tuneforge.run_files import (
+    CHECKPOINTS,
+    CONFIG,
+    DIAGNOSTICS,
+    EVAL,
+    LOCK_FILE,
+    METRICS,
+    PLOT,
+    PREVIOUS_RUNS,
     REFERENCE,
     RUN_FILE,
+    SAMPLES,
 )
+
+RUN_OUTPUTS = (CHECKPOINTS, METRICS, SAMPLES, EVAL, PLOT, DIAGNOSTICS, REFERENCE, RUN_FILE)
 """What a run writes into its work dir (and what `--archive-previous` moves away)."""
 
 
@@ -157,17 +155,17 @@ def release_lock(work_dir: Path) -> None:
 def _present(work_dir: Path) -> list[str]:
     """Which of `RUN_OUTPUTS` are in `work_dir` (a link counts as there; an empty `checkpoints/` does not)."""
     found = [name for name in RUN_OUTPUTS if os.path.lexists(work_dir / name)]
-    checkpoints = work_dir / "checkpoints"
-    real = "checkpoints" in found and checkpoints.is_dir() and not checkpoints.is_symlink()
+    checkpoints = work_dir / CHECKPOINTS
+    real = CHECKPOINTS in found and checkpoints.is_dir() and not checkpoints.is_symlink()
     if real and not any(checkpoints.iterdir()):
-        found.remove("checkpoints")
+        found.remove(CHECKPOINTS)
     return found
 
 
 def previous_outputs(work_dir: Path) -> list[str]:
     """The outputs in `work_dir` that make it another run's: a fresh run is refused there (or moves them aside
     with --archive-previous). Diagnostics, a reusable reference and the run record alone do not."""
-    return [name for name in _present(work_dir) if name not in ("diagnostics", REFERENCE, RUN_FILE)]
+    return [name for name in _present(work_dir) if name not in (DIAGNOSTICS, REFERENCE, RUN_FILE)]
 
 
 def _shown(work_dir: Path, name: str) -> str:
@@ -180,7 +178,7 @@ def written_by_tuneforge(work_dir: Path) -> bool:
     if os.path.lexists(work_dir / RUN_FILE):
         return True
     try:
-        config = yaml.safe_load((work_dir / "config.yaml").read_text(encoding="utf-8"))
+        config = yaml.safe_load((work_dir / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):
         return False
     from tuneforge.config.schema import Config
@@ -188,7 +186,7 @@ def written_by_tuneforge(work_dir: Path) -> bool:
     return isinstance(config, dict) and set(Config.model_fields) <= set(config)
 
 
-LINKS_REFUSED = ("config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "plot.png", "diagnostics", RUN_FILE)
+LINKS_REFUSED = (CONFIG, METRICS, SAMPLES, EVAL, PLOT, DIAGNOSTICS, RUN_FILE)
 """Files the run writes or replaces in its work dir: one that is a symbolic link (in a work dir someone handed
 over) would be written through, outside the work dir. (`checkpoints/` may be a link to a bigger disk.)"""
 
