@@ -58,19 +58,22 @@ def test_no_report_while_progress_continues(tmp_path):
     assert not (tmp_path / "stacks-rank-0.txt").exists() and not (tmp_path / "report.txt").exists()
 
 
-def test_a_stop_signal_delivered_twice_at_once_is_one_request_and_a_later_one_a_second(tmp_path):
+def test_a_stop_signal_delivered_twice_at_once_is_one_request_and_a_later_one_a_second():
     """A terminal's Ctrl-C reaches every process and torchrun forwards it again: one request. A signal sent
-    later means "now": request_stop says so and the caller stops at once."""
+    later means "now": `request` says so and the caller stops at once."""
     import signal
 
-    from tuneforge.watchdog import SAME_STOP_S, StallWatchdog
+    from tuneforge.stop_requests import SAME_STOP_S, StopRequests
 
-    dog = StallWatchdog(tmp_path, startup_timeout_s=30, stall_timeout_s=None)
-    assert dog.request_stop(signal.SIGINT) and dog.stop_signal == signal.SIGINT
-    assert dog.request_stop(signal.SIGINT) and dog.request_stop(signal.SIGTERM)
-    assert dog.stop_signal == signal.SIGINT  # the first one names the stop
-    dog.stop_requested_at -= SAME_STOP_S + 1
-    assert not dog.request_stop(signal.SIGTERM)
+    stops = StopRequests(grace_s=25)
+    with stops.graceful():
+        assert stops.inside and stops.waited_s() == 0
+        assert stops.request(signal.SIGINT) and stops.signal == signal.SIGINT
+        assert stops.request(signal.SIGINT) and stops.request(signal.SIGTERM)
+        assert stops.signal == signal.SIGINT  # the first one names the stop
+        stops.requested_at -= SAME_STOP_S + 1
+        assert not stops.request(signal.SIGTERM) and 23 - SAME_STOP_S < stops.grace_left_s() < 24 - SAME_STOP_S
+    assert not stops.inside
 
 
 @pytest.mark.trivial_process("two `python -c` one-liners without imports: a pid that has ended, one stopped")
@@ -207,3 +210,19 @@ def test_a_fifo_or_a_huge_file_planted_as_a_peers_heartbeat_is_no_heartbeat_and_
     reader.join(timeout=10)
     assert not reader.is_alive(), "read_json blocked on the FIFO"
     assert found == {"fifo.json": None, "huge.json": None, "list.json": None, "ok.json": {"rank": 1}}
+
+
+def test_generation_has_its_own_limit_and_the_stall_limit_without_one(tmp_path):
+    from tuneforge.watchdog import StallWatchdog
+
+    dog = StallWatchdog(tmp_path, startup_timeout_s=1800, stall_timeout_s=20, generation_timeout_s=600)
+    dog.beat("generation", training=False)  # sample chats before the first step
+    assert dog.limit_s == 600
+    dog.beat("forward/backward", training=True)
+    assert dog.limit_s == 20
+    dog.beat("generation")
+    assert dog.limit_s == 600
+    plain = StallWatchdog(tmp_path, startup_timeout_s=1800, stall_timeout_s=20)
+    plain.beat("forward/backward", training=True)
+    plain.beat("generation")
+    assert plain.limit_s == 20

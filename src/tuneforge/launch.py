@@ -23,7 +23,8 @@ from tuneforge.diagnostics.report import REPORT, build_report
 from tuneforge.errors import ERRORS_DIR_ENV, UserError, first_line
 from tuneforge.launcher_watch import LAUNCHER_PID
 from tuneforge.run_files import RunFiles
-from tuneforge.watchdog import SAME_STOP_S, STALL_EXIT_CODE, STOP_SIGNALS
+from tuneforge.stop_requests import SAME_STOP_S
+from tuneforge.watchdog import STALL_EXIT_CODE, STOP_SIGNALS
 
 USER_ERROR_EXIT = 2
 """What `tuneforge` exits with after printing a UserError."""

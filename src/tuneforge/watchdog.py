@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tuneforge.config.schema import WatchdogConfig
 from tuneforge.diagnostics.files import (
+    GENERATION,
     HEARTBEAT_EVERY_S,
     SLOW_PHASES,
     black_box_file,
@@ -47,12 +48,10 @@ from tuneforge.diagnostics.files import (
 from tuneforge.diagnostics.recorder import RECORDER, CollectiveRecorder
 from tuneforge.diagnostics.stacks import thread_stacks
 from tuneforge.errors import ERRORS_DIR_ENV
+from tuneforge.stop_requests import StopRequests
 
 STALL_EXIT_CODE = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-SAME_STOP_S = 2.0
-"""A stop signal within this time of the first is the same request delivered twice (a terminal's Ctrl-C reaches
-every process, and torchrun forwards it to its workers again); a later one stops at once."""
 RECENT_COLLECTIVES = 32
 
 
@@ -97,6 +96,7 @@ class StallWatchdog:
             world_size=world_size,
             floor_s=settings.stall_floor_s,
             step_multiple=settings.stall_step_multiple,
+            generation_timeout_s=settings.generation_timeout_s,
             grace_s=settings.report_grace_s,
             stop_grace_s=settings.stop_grace_s,
         )
@@ -114,6 +114,7 @@ class StallWatchdog:
         step_multiple: float = 10.0,
         grace_s: float = 10.0,
         stop_grace_s: float = 25.0,
+        generation_timeout_s: float | None = None,
         recorder: CollectiveRecorder = RECORDER,
     ):
         self.diagnostics_dir = diagnostics_dir
@@ -144,20 +145,17 @@ class StallWatchdog:
         self._fatal_file = None
         self._warned: set[tuple[int, int]] = set()
         self._failing = threading.Lock()
-        # Graceful stop: the training loop sets `graceful` while it can stop at a step end; a stop signal then
-        # sets `stop_signal`, the loop's per-step vote makes every rank agree (`agree_stop`), and only a rank
-        # that cannot get there within `stop_grace_s` is dumped and stopped at once.
-        self.stop_grace_s = stop_grace_s
-        self.graceful = False
-        self.stop_signal: signal.Signals | None = None
-        self.stop_requested_at = 0.0
-        self.stop_agreed = False
+        # Graceful stop (`StopRequests`): the loop asks it at each step end; this watchdog receives the signals,
+        # and dumps and stops at once a rank that cannot reach a step end within its grace.
+        self.stops = StopRequests(stop_grace_s)
+        self.generation_timeout_s = generation_timeout_s
         self._stop_announced = False
-        self._stop_lock = threading.RLock()  # the signal handler may run again inside itself
 
     # -- limits ---------------------------------------------------------------------------------------------
     @property
     def limit_s(self) -> float:
+        if self.phase == GENERATION and self.generation_timeout_s is not None:
+            return self.generation_timeout_s  # its own limit, also before the first step (sample_at_start)
         if not self.started_training or self.phase in SLOW_PHASES:
             return self.startup_timeout_s
         if self.stall_timeout_s is not None:
@@ -204,6 +202,10 @@ class StallWatchdog:
         self._thread = threading.Thread(target=self._watch, name="tuneforge-watchdog", daemon=True)
         self._thread.start()
 
+    def plan(self, total_steps: int) -> None:
+        """The run's length, shown in heartbeats (and `tuneforge watch`)."""
+        self.total_steps = total_steps
+
     def beat(
         self,
         phase: str,
@@ -215,7 +217,7 @@ class StallWatchdog:
         """Record progress. `training=True` marks that the first micro-step is done (the step-based limit
         applies from then on)."""
         now = time.monotonic()
-        publish = phase != self.phase and phase in (*SLOW_PHASES, "eval", "generation")
+        publish = phase != self.phase and phase in (*SLOW_PHASES, "eval", GENERATION)
         if step is not None and step != self.step:
             if self._step_started is not None and self.started_training:
                 self.step_times.append(now - self._step_started)
@@ -282,10 +284,10 @@ class StallWatchdog:
         self._terminated = threading.Event()
 
         def on_signal(number: int, _frame: object) -> None:  # in the main thread, between two bytecodes
-            if self.stop_agreed:
+            if self.stops.agreed:
                 return  # the ranks are already saving and stopping together
-            if self.graceful:
-                self.request_stop(signal.Signals(number))
+            if self.stops.inside:
+                self.stops.request(signal.Signals(number))
                 return  # the loop stops at the step's end; the monitor thread handles a repeat
             if self._failing.locked():
                 # This thread was writing a failure's dump (it may hold the recorder's lock): let it finish.
@@ -299,25 +301,6 @@ class StallWatchdog:
         # C-level stacks as well (the backstop file), then the handler above.
         faulthandler.register(signal.SIGTERM, file=self._backstop_file, all_threads=True, chain=True)
 
-    def request_stop(self, number: signal.Signals) -> bool:
-        """Ask the loop to stop at the end of the step; False when this is a new request after one already made
-        (the caller then stops at once)."""
-        with self._stop_lock:
-            now = time.monotonic()
-            if self.stop_signal is not None:
-                return now - self.stop_requested_at < SAME_STOP_S
-            self.stop_signal, self.stop_requested_at = number, now
-        return True
-
-    def clear_stop(self) -> None:
-        """The run reached its last step as the signal came: it completes; a further signal stops it at once."""
-        with self._stop_lock:
-            self.stop_signal = None
-
-    def agree_stop(self) -> None:
-        """Every rank voted to stop after this step: from here the save is bounded by the usual limits."""
-        self.stop_agreed = True
-
     def _on_signals(self) -> None:
         ready, _, _ = select.select([self._signal_read], [], [], 0)
         if not ready:
@@ -326,14 +309,13 @@ class StallWatchdog:
             if number not in STOP_SIGNALS:
                 continue
             received = signal.Signals(number)
-            if self.stop_agreed:
+            if self.stops.agreed:
                 # After the agreement a peer that finished first exits, and torchrun then signals the others:
                 # they are stopping already. With every peer still at work it is the user's second request.
-                repeated = time.monotonic() - self.stop_requested_at < SAME_STOP_S
-                if not repeated and not self._a_peer_is_gone():
+                if not self.stops.repeated() and not self._a_peer_is_gone():
                     self._terminate(received, "a second time, while saving for the stop: stopping at once")
                 continue
-            if not self.graceful:
+            if not self.stops.inside:
                 self._terminate(
                     received,
                     "the launcher stops every rank when one fails"
@@ -342,29 +324,29 @@ class StallWatchdog:
                 )
             elif self._a_peer_is_gone():
                 self._terminate(received, "a rank is gone, so the ranks cannot agree on a step to stop at")
-            elif not self.request_stop(received):
+            elif not self.stops.request(received):
                 self._terminate(received, "a second time: stopping at once, without a checkpoint")
 
     def _check_graceful_stop(self) -> None:
-        if self.stop_signal is None or self.stop_agreed:
+        stops = self.stops
+        if stops.signal is None or stops.agreed:
             return
         # Said here, not in the signal handler, which may interrupt a print of the main thread.
         if not self._stop_announced and self.rank == 0:
             self._stop_announced = True
             print(
-                f"tuneforge: rank {self.rank}: {self.stop_signal.name} received: finishing step {max(self.step, 1)}, "
-                f"then saving a checkpoint and stopping (within watchdog.stop_grace_s={self.stop_grace_s:g}s; send "
+                f"tuneforge: rank {self.rank}: {stops.signal.name} received: finishing step {max(self.step, 1)}, "
+                f"then saving a checkpoint and stopping (within watchdog.stop_grace_s={stops.grace_s:g}s; send "
                 "it again to stop at once)",
                 file=sys.stderr,
                 flush=True,
             )
         if self._a_peer_is_gone():
-            self._terminate(self.stop_signal, "a rank is gone, so the ranks cannot agree on a step to stop at")
-        waited = time.monotonic() - self.stop_requested_at
-        if waited > self.stop_grace_s:
+            self._terminate(stops.signal, "a rank is gone, so the ranks cannot agree on a step to stop at")
+        if stops.waited_s() > stops.grace_s:
             self._terminate(
-                self.stop_signal,
-                f"step {self.step} did not end within watchdog.stop_grace_s={self.stop_grace_s:g}s: stopping without "
+                stops.signal,
+                f"step {self.step} did not end within watchdog.stop_grace_s={stops.grace_s:g}s: stopping without "
                 "a checkpoint",
             )
 

@@ -322,6 +322,10 @@ class WatchdogConfig(Section):
     stall_step_multiple: float = Field(10.0, gt=1)
     """Automatic stall limit as a multiple of the median optimizer step time."""
 
+    generation_timeout_s: float | None = Field(None, gt=0)
+    """Allowed time without progress while generating (sample chats; each generated batch is progress). None:
+    the stall limit, as for a step. Raise it where one batch of replies takes longer than ten steps."""
+
     report_grace_s: float = Field(10.0, gt=0)
     """After a stall, how long each rank waits for the others' dumps before the report is written."""
 

@@ -15,6 +15,8 @@ REPORT = "report.txt"
 STOPPED = "stopped.txt"
 """In `diagnostics/`: written by rank 0 when the ranks stopped together on a signal (not a failure to report)."""
 TRAINING_PHASES = ("data", "forward/backward", "optimizer")
+GENERATION = "generation"
+"""The phase of writing replies (sample chats; RL rollouts), with its own limit (`watchdog.generation_timeout_s`)."""
 SLOW_PHASES = ("save", "model", "startup")
 """Phases that may legitimately take long (writing a large checkpoint, loading weights): the start-up limit."""
 HEARTBEAT_EVERY_S = 1.0

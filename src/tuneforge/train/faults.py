@@ -188,7 +188,7 @@ class FaultyEngine:
     def save_state(self, directory: Path) -> None:
         injector = self.injector
         mine = injector.fault.kind == "slow_stop_save" and injector.fault.rank == injector.rank
-        if mine and injector.watchdog.stop_agreed:
+        if mine and injector.watchdog.stops.agreed:
             time.sleep(injector.fault.seconds)
         if self.injector.due("disk_full_in_engine_save"):
             with torch_save_fails(errno.ENOSPC):

@@ -14,6 +14,7 @@ import torch
 from tuneforge.data.batching import BatchPlanner, MicroBatch
 from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.loader import data_plan
+from tuneforge.diagnostics.files import GENERATION
 from tuneforge.distributed import gather_objects
 from tuneforge.engines import Engine
 from tuneforge.errors import StoppedBySignal, UserError
@@ -296,6 +297,7 @@ class Trainer:
         self.cfg = cfg = parts.cfg
         self.engine = parts.engine
         self.watchdog = parts.watchdog
+        self.stops = parts.watchdog.stops
         self.work_dir = parts.work_dir
         self.is_main = parts.engine.info.is_main
         self.best_val_loss = float("inf")
@@ -337,7 +339,7 @@ class Trainer:
             self.progress.log,
             lambda: self.watchdog.beat("save"),
         )
-        self.watchdog.total_steps = self.total_steps
+        self.watchdog.plan(self.total_steps)
 
     def run(self, start: ResumePoint | None = None) -> list[dict]:
         cfg = self.cfg
@@ -364,40 +366,40 @@ class Trainer:
             if cfg.eval.sample_at_start and cfg.eval.sample_prompts and start_step == 0:
                 self.sample_chats(step=0)
             groups = self.parts.steps_from(start_step)
-            self.watchdog.graceful = True  # from here a stop signal ends the run at a step end, with a checkpoint
-            for step in range(start_step + 1, self.total_steps + 1):
-                self.watchdog.beat("data", training=step > 1, step=step, micro_step=0)
-                epoch, micro_batches = next(groups)
-                self.pending.append(self.train_step(step, epoch, micro_batches))
-                every = cfg.eval.every_steps
-                validating = bool(self.parts.validation) and ((every and step % every == 0) or step == self.total_steps)
-                sample_every = cfg.eval.sample_every_steps
-                sampling = bool(sample_every) and step % sample_every == 0 and step < self.total_steps
-                saving = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
-                if not (validating or sampling or saving or self.reads_after(step)):
-                    continue  # nothing of this step is needed on the host yet: the device goes on to the next
-                records = self.read_pending()
-                if validating:
-                    validated = self.validate(step, epoch)
-                    records[-1]["val_loss"] = validated.loss
-                    records[-1].update({f"val_{name}": value for name, value in validated.metrics.items()})
-                for record in records:
-                    if metrics_log is not None:
-                        metrics_log.write(record)
-                    history.append(record)
-                    self.progress.step(record["step"], record)
-                if sampling:
-                    self.sample_chats(step)
-                if saving:
-                    self.checkpointer.save_step(self.resume_point(step, epoch))
-                self._stop_if_asked(step, epoch)
-            self.watchdog.graceful = False  # the run is complete: a signal now stops it at once
+            with self.stops.graceful():  # to the last step, a stop signal ends the run at a step end, saved
+                for step in range(start_step + 1, self.total_steps + 1):
+                    self.watchdog.beat("data", training=step > 1, step=step, micro_step=0)
+                    epoch, micro_batches = next(groups)
+                    self.pending.append(self.train_step(step, epoch, micro_batches))
+                    every = cfg.eval.every_steps
+                    validating = bool(self.parts.validation) and (
+                        (every and step % every == 0) or step == self.total_steps
+                    )
+                    sample_every = cfg.eval.sample_every_steps
+                    sampling = bool(sample_every) and step % sample_every == 0 and step < self.total_steps
+                    saving = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
+                    if not (validating or sampling or saving or self.reads_after(step)):
+                        continue  # nothing of this step is needed on the host yet: the device goes on to the next
+                    records = self.read_pending()
+                    if validating:
+                        validated = self.validate(step, epoch)
+                        records[-1]["val_loss"] = validated.loss
+                        records[-1].update({f"val_{name}": value for name, value in validated.metrics.items()})
+                    for record in records:
+                        if metrics_log is not None:
+                            metrics_log.write(record)
+                        history.append(record)
+                        self.progress.step(record["step"], record)
+                    if sampling:
+                        self.sample_chats(step)
+                    if saving:
+                        self.checkpointer.save_step(self.resume_point(step, epoch))
+                    self._stop_if_asked(step, epoch)
             if cfg.eval.sample_prompts:
                 self.sample_chats(self.total_steps)
             if cfg.checkpoint.save_final:
                 self.checkpointer.save_model("final", self.total_steps)
         finally:
-            self.watchdog.graceful = False
             if metrics_log is not None:
                 metrics_log.close()
             self.progress.close()
@@ -460,7 +462,7 @@ class Trainer:
         ranks' mean pace (read from the step's sums, so the same number on every rank); 1 before it is known."""
         if seconds_per_step <= 0:
             return 1
-        steps = int(self.watchdog.stop_grace_s / STOP_CHECKS_PER_GRACE / seconds_per_step)
+        steps = int(self.stops.grace_s / STOP_CHECKS_PER_GRACE / seconds_per_step)
         return max(1, min(MAX_UNREAD_STEPS, steps))
 
     def _checked_record(self, pending: PendingStep, grad_norm: float) -> dict:
@@ -486,9 +488,9 @@ class Trainer:
         if not voted:
             return
         if step == self.total_steps:
-            self.watchdog.clear_stop()  # the run is complete: its final checkpoint comes next, as without a signal
+            self.stops.clear()  # the run is complete: its final checkpoint comes next, as without a signal
             return
-        self.watchdog.agree_stop()
+        self.stops.agree()
         received = voted[0]
         ranks = sum(self.stop_votes)
         self.progress.log(
@@ -497,11 +499,7 @@ class Trainer:
         checkpoint: Path | None = self.checkpoints_dir / f"step-{step}"
         every = self.cfg.checkpoint.every_steps
         if not (every and step % every == 0):
-            watchdog = self.watchdog
-            elapsed = time.monotonic() - watchdog.stop_requested_at if watchdog.stop_signal else 0
-            checkpoint = self.checkpointer.save_before_stop(
-                self.resume_point(step, epoch), watchdog.stop_grace_s - elapsed
-            )
+            checkpoint = self.checkpointer.save_before_stop(self.resume_point(step, epoch), self.stops.grace_left_s())
         message = StoppedBySignal(
             received.name, received, step, self.total_steps, str(checkpoint) if checkpoint else None
         )
@@ -579,7 +577,7 @@ class Trainer:
 
     def sample_chats(self, step: int) -> None:
         evaluation = self.cfg.eval
-        self.watchdog.beat("generation", training=step > 0)
+        self.watchdog.beat(GENERATION, training=step > 0)
         prompts = [prompt_conversation([], prompt) for prompt in evaluation.sample_prompts]
         replies = generate_replies(
             self.engine.unwrapped,
@@ -590,7 +588,7 @@ class Trainer:
             evaluation.sample_max_new_tokens,
             self.cfg.train.precision,
             synced=self.engine.generates_in_lockstep,
-            on_batch=lambda: self.watchdog.beat("generation", training=step > 0),
+            on_batch=lambda: self.watchdog.beat(GENERATION, training=step > 0),
         )
         if not self.is_main:
             return
@@ -649,7 +647,7 @@ class TrainerObserver(StepObserver):
         self.watchdog.beat("optimizer")  # the closing sum is outside every module's forward and backward
 
     def stop_requests(self) -> tuple[int, ...]:
-        received = self.watchdog.stop_signal
+        received = self.trainer.stops.signal
         return tuple(int(received == number) for number in STOP_SIGNALS)
 
     def step_seconds(self) -> float:
