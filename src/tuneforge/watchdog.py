@@ -41,10 +41,10 @@ from tuneforge.diagnostics.files import (
     fatal_stacks_file,
     process_start_ticks,
     process_state,
-    read_json,
     same_process_alive,
     write_json,
 )
+from tuneforge.diagnostics.heartbeats import Heartbeats
 from tuneforge.diagnostics.recorder import RECORDER, CollectiveRecorder
 from tuneforge.diagnostics.stacks import thread_stacks
 from tuneforge.errors import ERRORS_DIR_ENV
@@ -119,6 +119,7 @@ class StallWatchdog:
     ):
         self.diagnostics_dir = diagnostics_dir
         self.live_dir = diagnostics_dir / "live"
+        self.heartbeats = Heartbeats(self.live_dir, rank, world_size)
         self.startup_timeout_s = startup_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.enabled = enabled
@@ -430,22 +431,17 @@ class StallWatchdog:
     def _write_heartbeat(self, finished: bool = False, outcome: str | None = None) -> None:
         if not self.enabled:
             return
-        data = {
-            **self.state(),
-            "finished": finished,
-            "outcome": outcome,
-            "collectives": self.recorder.snapshot()[-RECENT_COLLECTIVES:],
-        }
-        # A full or vanished disk must not kill training; the stall path reports what it can.
-        with contextlib.suppress(OSError):
-            write_json(self.live_dir / f"rank-{self.rank}.json", data)
+        self.heartbeats.write(
+            {
+                **self.state(),
+                "finished": finished,
+                "outcome": outcome,
+                "collectives": self.recorder.snapshot()[-RECENT_COLLECTIVES:],
+            }
+        )
 
     def peers(self) -> dict[int, dict]:
-        found = {}
-        for rank in range(self.world_size):
-            if rank != self.rank and (data := read_json(self.live_dir / f"rank-{rank}.json")) is not None:
-                found[rank] = data
-        return found
+        return self.heartbeats.peers()
 
     def _peer_still_progressing(self) -> bool:
         now = time.time()
