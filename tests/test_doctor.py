@@ -217,6 +217,7 @@ def test_train_refuses_a_failing_setup_before_loading_the_model(tmp_path, capsys
     captured = capsys.readouterr()
     assert "FAIL  packing isolation" in captured.out
     assert "error: doctor: packing isolation: set model.attn_implementation=sdpa" in captured.err
+    assert "(watchdog.doctor=warn to go on)" in captured.err  # the doctor alone refuses it
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 

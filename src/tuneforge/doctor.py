@@ -43,6 +43,8 @@ class Check:
     fix: str = ""
     report: str = ""
     """Longer text `tuneforge doctor` prints below the verdicts (the estimate table); train does not."""
+    binding: bool = False
+    """A failure the run refuses by itself, whatever `watchdog.doctor` says (it cannot train past it)."""
 
 
 def read_model_config(path: Path):
@@ -112,7 +114,7 @@ def check_expert_parallel(
         return [Check(name, WARN, "model structure not readable: the run checks the model when it starts")]
     problems, layout = engine.model_problems(cfg, lambda: skeleton.config, world_size)
     if problems:
-        return [Check(name, FAIL, "; ".join(problems))]  # each reason names its fix
+        return [Check(name, FAIL, "; ".join(problems), binding=True)]  # each reason names its fix
     return [Check(name, PASS, layout)]
 
 
