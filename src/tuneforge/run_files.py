@@ -58,17 +58,22 @@ class StepLog:
     unreadable: list[int] = field(default_factory=list)
 
 
-def read_step_log(path: Path) -> StepLog:
-    """Every record of `path` by `step_record`'s rule (OSError when the file cannot be read)."""
+def read_step_log(path: Path, keep: tuple[str, ...] | None = None) -> StepLog:
+    """Every record of `path` by `step_record`'s rule, read a line at a time (OSError when the file cannot be
+    read). `keep`: the fields a reader needs (with `step`), so a long run's log costs it no more memory than
+    that."""
     log = StepLog()
-    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
-        record = step_record(line)
-        if record is None:
-            log.unreadable.append(number)
-        else:
-            log.records.append(record)
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            record = step_record(line)
+            if record is None:
+                log.unreadable.append(number)
+            elif keep is None:
+                log.records.append(record)
+            else:
+                log.records.append({key: record[key] for key in ("step", *keep) if key in record})
     return log
 
 

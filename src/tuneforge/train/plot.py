@@ -14,13 +14,15 @@ from tuneforge.errors import UserError
 from tuneforge.run_files import PLOT, RunFiles, StepLog, read_step_log
 
 PLOT_NAME = PLOT
+PLOTTED = ("loss", "val_loss", "lr", "skipped")
+"""What the plot draws of each record (the rest is not kept)."""
 
 
 def read_metrics(path: Path) -> StepLog:
     """Every record of `path` (`run_files.step_record`'s rule): a line cut off by a crash, not UTF-8 or no step
     record is left out but counted, so the caller can say so."""
     try:
-        return read_step_log(path)
+        return read_step_log(path, keep=PLOTTED)
     except OSError as exc:
         raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
 
