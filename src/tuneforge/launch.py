@@ -28,10 +28,11 @@ from tuneforge.watchdog import STALL_EXIT_CODE, STOP_SIGNALS
 
 USER_ERROR_EXIT = 2
 """What `tuneforge` exits with after printing a UserError."""
-SHUTDOWN_TIMEOUT_S = 7 * 24 * 3600
-"""torchrun's wait for the workers after a stop signal before it SIGKILLs them. Its default, 30 s, cut short a
-large model's stop checkpoint; the ranks bound their own stop (watchdog.stop_grace_s for the step, the save's
-limits), a second signal stops them at once, and a third kills them (`see_workers_out`)."""
+SHUTDOWN_TIMEOUT_S = 2 * 3600
+"""torchrun's wait for the workers after a stop signal (or a failed rank) before it SIGKILLs them. Its default,
+30 s, cut short a large model's stop checkpoint; the ranks bound their own stop (watchdog.stop_grace_s for the
+step, the save's limit, 30 minutes by default), a second signal stops them at once and a third kills them
+(`see_workers_out`). Bounded all the same, so a rank that answers nothing is never waited on for good."""
 
 
 def launch_workers(
