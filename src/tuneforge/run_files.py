@@ -127,10 +127,6 @@ class RunFiles:
         return self.work_dir / BASE
 
     @property
-    def previous_runs(self) -> Path:
-        return self.work_dir / PREVIOUS_RUNS
-
-    @property
     def diagnostics(self) -> Path:
         return self.work_dir / DIAGNOSTICS
 
@@ -147,13 +143,3 @@ class RunFiles:
     def stopped(self) -> Path:
         """Written by rank 0 when the ranks stopped together on a signal."""
         return self.diagnostics / STOPPED
-
-    def heartbeat(self, rank: int) -> Path:
-        return self.live / f"rank-{rank}.json"
-
-    def dump(self, rank: int) -> Path:
-        """A rank's dump at a stall or failure."""
-        return self.diagnostics / f"rank-{rank}.json"
-
-    def read_metrics(self) -> StepLog:
-        return read_step_log(self.metrics)

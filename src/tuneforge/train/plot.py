@@ -13,7 +13,6 @@ from typing import Any
 from tuneforge.errors import UserError
 from tuneforge.run_files import PLOT, RunFiles, StepLog, read_step_log
 
-PLOT_NAME = PLOT
 PLOTTED = ("loss", "val_loss", "lr", "skipped")
 """What the plot draws of each record (the rest is not kept)."""
 
@@ -91,9 +90,9 @@ def plot_metrics(work_dir: Path, out: Path | None = None, warn: Callable[[str], 
         lr_ax.grid(alpha=0.3)
 
         fig.tight_layout()
-        out = out or work_dir / PLOT_NAME
+        out = out or RunFiles(work_dir).plot
         if out.is_dir():
-            raise UserError(f"--out {out}: a directory; give the PNG file to write, e.g. {out / PLOT_NAME}")
+            raise UserError(f"--out {out}: a directory; give the PNG file to write, e.g. {out / PLOT}")
         tmp = out.with_name(f".{out.name}.tmp")
         try:
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -37,11 +37,11 @@ from tuneforge.errors import first_line
 from tuneforge.model.transfer import to_device
 from tuneforge.objective import TokenForward
 from tuneforge.objective.preference import answer_log_probs, answer_of_targets
+from tuneforge.run_files import RunFiles
 from tuneforge.train.objectives import policy_forward
 from tuneforge.train.validate import validation_batches
 from tuneforge.watchdog import StallWatchdog
 
-REFERENCE_DIR = "reference"
 DIGEST_CACHE = "file-digests.json"
 """In `reference/`: the sha256 of each model file hashed, by the file's identity on disk (see `file_digests`)."""
 
@@ -290,7 +290,7 @@ def reference_log_probs(
     ranks that computed it while others read it would wait on each other's collectives (a work dir on each
     node's own disk may hold it on one node only)."""
     key = reference_key(parts)
-    path = work_dir / REFERENCE_DIR / f"{split}-{key}.safetensors"
+    path = RunFiles(work_dir).reference / f"{split}-{key}.safetensors"
     table, why = read_table(path, key, size) if path.exists() else (None, "")
     if all_ranks_have(table is not None):
         say(f"dpo reference: {split} log-probabilities read from {path}")
@@ -336,7 +336,7 @@ def reference_pass(
     is_main = engine.info.is_main
     # The first rank hashes the model's files and tells the others: every rank must look for the same table
     # (ranks that computed it while others read it would wait on each other's collectives).
-    cache = work_dir / REFERENCE_DIR / DIGEST_CACHE if is_main else None
+    cache = RunFiles(work_dir).reference / DIGEST_CACHE if is_main else None
     weights = weights_digest(cfg.model, cache, say, beat) if is_main else None
     weights = str(gather_objects(weights, engine.info)[0])
     parts = reference_parts(cfg, tokenizer, weights, fresh_init)
