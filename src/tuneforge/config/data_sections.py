@@ -86,7 +86,23 @@ class DataConfig(Section):
 
     template: str | TemplateConfig = "deepseek_coder"
     """Chat template: a built-in name (deepseek_coder, deepseek_v2, llama3_chat, qwen_chat, internlm2_chat,
-    mistral, mixtral, zephyr), `tokenizer` for the tokenizer's own chat_template, or an inline template."""
+    mistral, mixtral, zephyr), `tokenizer` for the tokenizer's own chat_template, or an inline template. Left
+    unset, a vision-language model uses its processor's chat template instead of the default."""
+
+    image_root: str | None = None
+    """Folder that relative image paths in the data resolve against (None: each data file's own folder).
+    URLs are refused: nothing downloads during training."""
+
+    image_max_pixels: int | None = Field(None, gt=0)
+    """Largest image area (width x height) given to a vision-language model's processor; bigger images are
+    scaled down (processors with a dynamic resolution, such as Qwen-VL's). None: a budget that keeps one image
+    within a quarter of `max_length` tokens, or the processor's own maximum when that is smaller."""
+
+    image_min_pixels: int | None = Field(None, gt=0)
+    """Smallest image area; smaller images are scaled up (None: the processor's own minimum)."""
+
+    image_pixel_limit: int = Field(100_000_000, gt=0)
+    """An image whose header declares more pixels than this is dropped unread (a decompression bomb)."""
 
     system: str | None = None
     """System prompt given to conversations that have none (None: leave them without)."""
@@ -121,4 +137,6 @@ class DataConfig(Section):
     def _one_validation_source(self) -> DataConfig:
         if self.validation_files and self.validation_fraction:
             raise ValueError("set `data.validation_files` or `data.validation_fraction`, not both")
+        if self.image_min_pixels and self.image_max_pixels and self.image_min_pixels > self.image_max_pixels:
+            raise ValueError("`data.image_min_pixels` is above `data.image_max_pixels`")
         return self

@@ -181,6 +181,13 @@ def _resolve_paths(config: Config, base: Path) -> Config:
     config.data.validation_files = [_resolved("data.validation_files", base / f) for f in config.data.validation_files]
     if config.eval.exact_match is not None:
         config.eval.exact_match.file = _resolved("eval.exact_match.file", base / config.eval.exact_match.file)
+    if config.data.image_root is not None:
+        config.data.image_root = _resolved("data.image_root", base / config.data.image_root)
+    vision = config.model.vision
+    if vision is not None and vision.projector_weights is not None:
+        vision.projector_weights = _resolved("model.vision.projector_weights", base / vision.projector_weights)
+    if vision is not None and vision.tower_path is not None and _exists(base / vision.tower_path):
+        vision.tower_path = _resolved("model.vision.tower_path", base / vision.tower_path)
     for field in ("path", "tokenizer"):
         value = getattr(config.model, field)
         if value and value != "bytes" and _exists(base / value):

@@ -90,6 +90,52 @@ class QuantizationConfig(Section):
         return value
 
 
+class VisionSettings(Section):
+    """Vision-language models: which of their three parts train (the vision tower, the projector that maps its
+    features into the language model, the language model), and how. Applies to any model
+    `AutoModelForImageTextToText` loads; the defaults hold when the section is absent."""
+
+    tower: Literal["frozen", "full", "lora"] = "frozen"
+    """The vision tower (image encoder): frozen, trained in full, or LoRA adapters (`tower_lora`)."""
+
+    projector: Literal["frozen", "full"] = "full"
+    """The projector between the tower and the language model."""
+
+    language: Literal["train", "frozen"] = "train"
+    """The language model: `train` trains it as a text model would be (in full, or through `model.lora`);
+    `frozen` leaves it as it is (projector pretraining, xtuner's stage 1)."""
+
+    tower_lora: LoraSettings | None = None
+    """Adapters of the tower when `tower: lora`; by default `model.lora`'s settings, or LoRA's defaults."""
+
+    tower_lr: float | None = Field(None, gt=0)
+    """Learning rate of the tower's trained weights (None: `train.lr`)."""
+
+    projector_lr: float | None = Field(None, gt=0)
+    """Learning rate of the projector (None: `train.lr`)."""
+
+    tower_path: str | None = None
+    """Build a LLaVA-architecture model from two checkpoints, xtuner's way of starting projector pretraining:
+    `model.path` is then a causal language model and this a CLIP or SigLIP vision model; the projector starts
+    fresh (or from `projector_weights`). None: `model.path` is a whole vision-language model."""
+
+    projector_weights: str | None = None
+    """A pretrained projector to start from: a `.safetensors` file, or an xtuner stage-1 `.pth` (read as tensors
+    only, never run). Relative paths resolve against the config file's directory."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> VisionSettings:
+        if self.tower_lora is not None and self.tower != "lora":
+            raise ValueError("`model.vision.tower_lora` applies only with `model.vision.tower: lora`")
+        if self.tower_lr is not None and self.tower == "frozen":
+            raise ValueError("`model.vision.tower_lr` is set but the tower is frozen (`model.vision.tower`)")
+        if self.projector_lr is not None and self.projector == "frozen":
+            raise ValueError("`model.vision.projector_lr` is set but the projector is frozen")
+        if self.tower == "frozen" and self.projector == "frozen" and self.language == "frozen":
+            raise ValueError("`model.vision`: the tower, the projector and the language model are all frozen")
+        return self
+
+
 class ModelConfig(Section):
     path: str | None = None
     """A local Hugging Face model directory (or hub id) to fine-tune. Exclusive with `architecture`."""
@@ -121,6 +167,10 @@ class ModelConfig(Section):
     quantization: QuantizationConfig | None = None
     """Load the frozen base weights quantized (QLoRA with 4 bits); needs `lora`."""
 
+    vision: VisionSettings | None = None
+    """Vision-language models only: what trains of the tower, the projector and the language model (None: the
+    defaults, a frozen tower and a trained projector and language model)."""
+
     freeze: list[str] = Field(default_factory=list)
     """Full fine-tuning only: parameters whose name matches any of these regexes (searched anywhere in the
     name, for example `embed_tokens` or `layers\\.[0-7]\\.`) are not trained."""
@@ -135,6 +185,11 @@ class ModelConfig(Section):
             raise ValueError("a fresh model needs `model.tokenizer` (a directory, or `bytes`)")
         if self.quantization is not None and self.lora is None:
             raise ValueError("quantized weights cannot be trained: add a `model.lora` section (QLoRA)")
+        if self.vision is not None and self.vision.language == "frozen" and self.lora is not None:
+            raise ValueError(
+                "`model.lora` trains the language model, which `model.vision.language: frozen` keeps frozen; "
+                "remove one of them"
+            )
         if self.freeze and self.lora is not None:
             raise ValueError("`model.freeze` is for full fine-tuning; with `model.lora` only adapters train")
         for pattern in self.freeze:

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tuneforge.config.data_sections import DataConfig, TemplateConfig
-from tuneforge.config.model_sections import LoraSettings, ModelConfig, QuantizationConfig
+from tuneforge.config.model_sections import LoraSettings, ModelConfig, QuantizationConfig, VisionSettings
 from tuneforge.config.objectives import OBJECTIVES, ObjectiveSpec, objective_spec
 from tuneforge.config.section import Section
 
@@ -33,6 +33,7 @@ __all__ = [
     "Section",
     "TemplateConfig",
     "TrainConfig",
+    "VisionSettings",
     "WatchdogConfig",
 ]
 
