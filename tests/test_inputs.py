@@ -112,9 +112,9 @@ def test_a_json_file_that_is_not_utf8_and_a_parquet_file_that_is_not_parquet(tmp
         (None, "missing content", "has no content"),
         (5, "missing content", "content is int 5, not text; write it as a string"),
         (
-            [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": "x.png"}],
+            [{"type": "text", "text": "see"}, {"type": "input_audio", "input_audio": "x.wav"}],
             "non-text content",
-            "content parts of type image_url; only text parts are trained",
+            "content parts of type input_audio; only text and image parts are trained",
         ),
     ],
 )
