@@ -5,6 +5,9 @@ UserError line saying which setting cannot be carried over and why; anything els
 its traceback, and makes the exit status 1. Nothing is downloaded: give an unpacked `xtuner/configs`
 directory, e.g. from the wheel (`pip download xtuner==0.1.23 --no-deps`, then unzip it).
 
+The vision-language configs (xtuner's LLaVAModel and InternVL_V1_5 models: configs/llava and configs/internvl)
+are counted again on a line of their own, with the settings they most often leave unmapped.
+
 System prompts (`SYSTEM_TEMPLATE.x`) resolve only where xtuner's package can be found; to use an unpacked
 wheel without installing it, put its directory on PYTHONPATH (it is located, never imported):
 
@@ -21,6 +24,9 @@ import traceback
 from pathlib import Path
 
 from tuneforge.errors import UserError
+from tuneforge.xtuner.evaluate import Call, read_config
+from tuneforge.xtuner.map_vision import VISION_MODELS
+from tuneforge.xtuner.mapper_base import type_name
 from tuneforge.xtuner.mapping import import_config, to_yaml
 
 
@@ -28,6 +34,20 @@ def reason(message: str, path: Path) -> str:
     """The refusal without its location, cut to the setting it names (`model type DPO`), for counting."""
     text = re.sub(rf"^{re.escape(str(path))}(:\d+)?: ", "", message)
     return text.split(" cannot be carried over")[0].split(";")[0]
+
+
+def setting(what: str) -> str:
+    """An unmapped setting without its value (`pad_image_to_square`), for counting."""
+    return re.split(r" = |: ", what, maxsplit=1)[0]
+
+
+def vision_model(path: Path) -> bool:
+    """Whether the config trains one of xtuner's vision-language models (read, never run)."""
+    try:
+        model = read_config(path).values.get("model")
+    except UserError:
+        return False
+    return isinstance(model, Call) and type_name(model.type) in VISION_MODELS
 
 
 def main() -> int:
@@ -42,13 +62,20 @@ def main() -> int:
     configs = sorted(p for p in args.configs.rglob("*.py") if p.name != "__init__.py")
     imported, partial, crashed = 0, 0, 0
     refused: collections.Counter[str] = collections.Counter()
+    vision = {"configs": 0, "imported": 0, "partial": 0}
+    vision_refused: collections.Counter[str] = collections.Counter()
+    vision_unmapped: collections.Counter[str] = collections.Counter()
     for path in configs:
         name = path.relative_to(args.configs)
+        is_vision = vision_model(path)
+        vision["configs"] += is_vision
         try:
             result = import_config(path)
             to_yaml(result, path)
         except UserError as exc:
             refused[reason(str(exc), path)] += 1
+            if is_vision:
+                vision_refused[reason(str(exc), path)] += 1
             if args.verbose:
                 print(f"refused   {str(exc).replace(str(path), str(name))}")
             continue
@@ -58,8 +85,12 @@ def main() -> int:
             traceback.print_exc()
             continue
         imported += 1
+        vision["imported"] += is_vision
         if result.unmapped:
             partial += 1
+            vision["partial"] += is_vision
+            if is_vision:  # each setting once per config, however many datasets of it repeat it
+                vision_unmapped.update({setting(what) for _, what, _ in result.unmapped})
             if args.verbose:
                 what = "; ".join(f"line {line}: {what}" for line, what, _ in result.unmapped)
                 print(f"unmapped  {name}: {len(result.unmapped)} setting(s): {what}")
@@ -70,6 +101,14 @@ def main() -> int:
         f"({partial} with settings left unmapped), {sum(refused.values())} refused: {counts or 'none'}"
     )
     print(summary + (f"; {crashed} CRASHED" if crashed else ""))
+    if vision["configs"]:
+        counts = ", ".join(f"{why} {n}" for why, n in vision_refused.most_common())
+        settings = ", ".join(f"{what} {n}" for what, n in vision_unmapped.most_common())
+        print(
+            f"vision-language ({', '.join(VISION_MODELS)}): {vision['configs']} configs, {vision['imported']} "
+            f"imported ({vision['partial']} with settings left unmapped), {sum(vision_refused.values())} refused: "
+            f"{counts or 'none'}; configs leaving each setting unmapped: {settings or 'none'}"
+        )
     return 1 if crashed else 0
 
 

@@ -2,7 +2,8 @@
 
 The module's statements are walked with `ast`: assignments of literals, lists, dicts, `dict(...)` calls, names
 of earlier assignments, attribute paths (`PROMPT_TEMPLATE.deepseek_coder`, `torch.float16`), arithmetic,
-comparisons, `A if cond else B` and `if` blocks whose condition can be decided without running anything.
+comparisons, `A if cond else B`, `int(x)` / `float(x)` of a plain value (gallery configs write
+`max_length = int(2048 - (336 / 14)**2)`) and `if` blocks whose condition can be decided without running anything.
 Imported names stay symbols (`Symbol("transformers.AutoTokenizer")`): nothing is imported, so neither xtuner
 nor mmengine is needed. Every value remembers its line for reports.
 """
@@ -75,7 +76,10 @@ BINARY = {
     ast.Mult: operator.mul,
     ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv,
+    ast.Pow: operator.pow,
 }
+CONVERSIONS = {"int": int, "float": float}
+"""Built-in conversions read when called on one plain number or text (and not redefined by the config)."""
 COMPARE = {
     ast.Eq: operator.eq,
     ast.NotEq: operator.ne,
@@ -95,6 +99,8 @@ PLAIN = (str, int, float, bool, type(None), list, tuple, dict)
 def _refuse_huge(op: ast.operator, left: Any, right: Any) -> None:
     """Results too large to be a setting, refused before they are built."""
     integers = isinstance(left, int) and isinstance(right, int)
+    if integers and isinstance(op, ast.Pow) and right > 0 and left.bit_length() * right > INT_BITS_LIMIT:
+        raise Unknown(f"a number of more than {INT_BITS_LIMIT} bits")
     if (
         integers
         and isinstance(op, ast.Mult | ast.Add | ast.Sub)
@@ -165,6 +171,8 @@ class Reader:
             operand = self.value(node.operand)
             return -operand if isinstance(node.op, ast.USub) else operand
         if isinstance(node, ast.Call):
+            if self._conversion(node):
+                return self._convert(node)
             if node.args:
                 raise Unknown("positional arguments in a call")
             if any(kw.arg is None for kw in node.keywords):
@@ -176,6 +184,20 @@ class Reader:
                 return Call(fields.pop("type", None), fields, lines, node.lineno)
             return Call(function, fields, lines, node.lineno)
         raise Unknown(type(node).__name__)
+
+    def _conversion(self, node: ast.Call) -> bool:
+        """`int(x)` or `float(x)` with the built-in meaning: the name not defined by the config itself."""
+        name = node.func.id if isinstance(node.func, ast.Name) else None
+        return name in CONVERSIONS and name not in self.module.values and name not in self.symbols
+
+    def _convert(self, node: ast.Call) -> Any:
+        name = node.func.id  # type: ignore[attr-defined]  # checked by _conversion
+        if len(node.args) != 1 or node.keywords or isinstance(node.args[0], ast.Starred):
+            raise Unknown(f"{name}() with other than one argument")
+        value = self.plain(node.args[0])
+        if not isinstance(value, (int, float, str)):
+            raise Unknown(f"{name}() of a {type(value).__name__}")
+        return CONVERSIONS[name](value)
 
     def _field(self, keyword: ast.keyword) -> Any:
         try:

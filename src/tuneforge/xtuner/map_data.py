@@ -72,6 +72,8 @@ class DataMapping(MapperBase):
             self.map_pairs(dataset)
             return
         if kind != "process_hf_dataset":
+            if self.map_other_dataset(dataset, kind):
+                return
             self.unmapped(
                 dataset.line,
                 f"train_dataset type {kind}",
@@ -96,6 +98,22 @@ class DataMapping(MapperBase):
                 if name == "alpaca_zh_map_fn":  # Alpaca records under other key names
                     fix = "reads instruction_zh/input_zh/output_zh: rename them to instruction/input/output (alpaca)"
                 self.unmapped(self.line(dataset, "dataset_map_fn"), f"dataset_map_fn = {name}", fix)
+        self.map_template_fn(dataset)
+        if (length := self.number(dataset, "max_length", "train_dataset")) is not None:
+            self.put("max_length", int(length), self.line(dataset, "max_length"))
+            self.result.notes.append(TRUNCATION_DIFFERENCE)
+        if (pack := self.take(dataset, "pack_to_max_length")) is not None:
+            self.put("packing", bool(pack), self.line(dataset, "pack_to_max_length"))
+        self.take(dataset, "tokenizer")
+        self.leftovers(dataset, "train_dataset")
+
+    def map_other_dataset(self, dataset: Call, kind: str) -> bool:
+        """A dataset type other than `process_hf_dataset` mapped by another part (vision-language datasets);
+        False: none maps it."""
+        return False
+
+    def map_template_fn(self, dataset: Call) -> None:
+        """`template_map_fn=dict(type=template_map_fn_factory, template=...)` -> data.template."""
         template_fn = self.take(dataset, "template_map_fn")
         if isinstance(template_fn, Call):
             template = self.take(template_fn, "template")
@@ -106,13 +124,6 @@ class DataMapping(MapperBase):
             self.leftovers(template_fn, "template_map_fn")
         elif template_fn is not None:
             self.unmapped(self.line(dataset, "template_map_fn"), f"template_map_fn = {shown(template_fn)}", "not read")
-        if (length := self.number(dataset, "max_length", "train_dataset")) is not None:
-            self.put("max_length", int(length), self.line(dataset, "max_length"))
-            self.result.notes.append(TRUNCATION_DIFFERENCE)
-        if (pack := self.take(dataset, "pack_to_max_length")) is not None:
-            self.put("packing", bool(pack), self.line(dataset, "pack_to_max_length"))
-        self.take(dataset, "tokenizer")
-        self.leftovers(dataset, "train_dataset")
 
     def map_pairs(self, dataset: Call) -> None:
         """xtuner's preference dataset: its source, map function and lengths. Pairs are packed with their answers

@@ -11,11 +11,6 @@ from tuneforge.xtuner.mapper_base import MapperBase, dtype_name, shown
 
 PREFERENCE_MODELS = {"DPO": "dpo", "ORPO": "orpo", "RewardModel": "reward"}
 """xtuner's preference wrappers and the `train.objective` that trains the same loss."""
-REFUSED_MODELS = {
-    "LLaVAModel": "vision-language training (image encoder and projector); tuneforge fine-tunes text-only models",
-    "InternVL_V1_5": "vision-language training (image encoder and projector); tuneforge fine-tunes text-only models",
-}
-"""xtuner model wrappers whose training tuneforge does not do: the whole config is refused, with this reason."""
 
 
 class ModelMapping(MapperBase):
@@ -39,7 +34,9 @@ class ModelMapping(MapperBase):
             "and FSDP (parallel.moe_safety); no experts are sharded across ranks either way"
         )
 
-    def map_model(self, model: Call, tokenizer: Any) -> None:
+    def map_model(self, model: Call, tokenizer: Any, quantize: bool = True) -> None:
+        """The language model, its adapters and the tokenizer. `quantize` False: the caller maps the language
+        model's quantization_config itself (a frozen one, which tuneforge does not quantize)."""
         out = self.section("model")
         llm = self.take(model, "llm")
         if isinstance(llm, Call):
@@ -57,7 +54,7 @@ class ModelMapping(MapperBase):
             if dtype:
                 out["dtype"] = dtype
             quantization = self.take(llm, "quantization_config")
-            if isinstance(quantization, Call):
+            if isinstance(quantization, Call) and quantize:
                 out["quantization"] = self.map_quantization(quantization)
             self.map_moe_implementation(llm)
             self.leftovers(llm, "model.llm")
@@ -148,29 +145,38 @@ class ModelMapping(MapperBase):
         self.leftovers(call, "quantization_config")
         return out
 
-    def map_lora(self, call: Call) -> dict[str, Any]:
+    def map_lora(
+        self, call: Call, source: str = "lora", target: str = "model.lora", experts: bool = True
+    ) -> dict[str, Any]:
+        """The PEFT LoraConfig of xtuner's field `source` as the tuneforge section `target` (LoraSettings).
+        `experts`: the model may have routed experts, which xtuner adapts when no target_modules are given (a
+        vision tower has none)."""
         out: dict[str, Any] = {}
-        for source, target in (("r", "r"), ("lora_alpha", "alpha"), ("lora_dropout", "dropout")):
-            if (value := self.take(call, source)) is not None:
-                out[target] = value
+        for key, name in (("r", "r"), ("lora_alpha", "alpha"), ("lora_dropout", "dropout")):
+            if (value := self.take(call, key)) is not None:
+                out[name] = value
+        config = "LoraConfig" if source == "lora" else source
         if (targets := self.take(call, "target_modules")) is not None:
             out["targets"] = targets if targets != "all-linear" else "all-linear"
-        else:
+        elif experts:
             # xtuner then adapts every linear layer but the output head, the routed experts of MoE models included.
             out["targets"], out["experts"] = "all-linear", True
             self.result.notes.append(
-                "LoraConfig without target_modules -> model.lora.targets: all-linear, experts: true (as xtuner)"
+                f"{config} without target_modules -> {target}.targets: all-linear, experts: true (as xtuner)"
             )
+        else:
+            out["targets"] = "all-linear"
+            self.result.notes.append(f"{config} without target_modules -> {target}.targets: all-linear (as xtuner)")
         bias = self.take(call, "bias")
         if bias not in (None, "none"):
-            self.unmapped(self.line(call, "bias"), f"lora.bias = {bias!r}", "tuneforge trains no biases with LoRA")
+            self.unmapped(self.line(call, "bias"), f"{source}.bias = {bias!r}", "tuneforge trains no biases with LoRA")
         if (use_dora := self.take(call, "use_dora")) is not None:
             out["use_dora"] = bool(use_dora)
         if (use_rslora := self.take(call, "use_rslora")) is not None:
             out["use_rslora"] = bool(use_rslora)
         if (modules := self.take(call, "modules_to_save")) is not None:
-            fix = "set model.lora.modules_to_save"
-            if names := self.strings(modules, self.line(call, "modules_to_save"), "lora.modules_to_save", fix):
+            fix = f"set {target}.modules_to_save"
+            if names := self.strings(modules, self.line(call, "modules_to_save"), f"{source}.modules_to_save", fix):
                 out["modules_to_save"] = names
-        self.leftovers(call, "lora")
+        self.leftovers(call, source)
         return out

@@ -134,6 +134,16 @@ class TrainingMapping(MapperBase):
                 )
                 for key in list(hook.fields):
                     self.take(hook, key)
+            elif kind == "EvaluateChatHook" and hook.get("evaluation_images") is not None:
+                images = self.take(hook, "evaluation_images")
+                self.unmapped(
+                    self.line(hook, "evaluation_images"),
+                    f"EvaluateChatHook.evaluation_images = {shown(images)}",
+                    "chats about an image: tuneforge's sample prompts (eval.sample_prompts) are text, and nothing "
+                    "downloads during training; its prompts, which ask about that image, are not carried over",
+                )
+                for key in list(hook.fields):
+                    self.take(hook, key)
             elif kind == "EvaluateChatHook":
                 if (inputs := self.take(hook, "evaluation_inputs")) is not None:
                     line, fix = self.line(hook, "evaluation_inputs"), "set eval.sample_prompts"

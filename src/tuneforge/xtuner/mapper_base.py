@@ -32,6 +32,7 @@ NOT_NEEDED = {
     "collate_fn": "tuneforge collates with minimal padding itself",
     "sampler": "tuneforge shuffles by seed and epoch and shards per rank itself",
     "num_workers": "tuneforge prepares and caches tokenized data up front; no loader workers are needed",
+    "pin_memory": "tuneforge moves each batch to the device itself",
     "use_varlen_attn": "packed samples are always isolated (per-sample SDPA, eager with a block mask, flash varlen)",
     "shuffle_before_pack": "tuneforge packs with best-fit decreasing and shuffles the packed rows every epoch",
     "llm_int8_threshold": "bitsandbytes default (6.0)",

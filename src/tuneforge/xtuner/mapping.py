@@ -15,14 +15,17 @@ from pathlib import Path
 
 from tuneforge.errors import UserError
 from tuneforge.xtuner.evaluate import Call, read_config
-from tuneforge.xtuner.map_data import DataMapping
-from tuneforge.xtuner.map_model import PREFERENCE_MODELS, REFUSED_MODELS, ModelMapping
+from tuneforge.xtuner.map_model import PREFERENCE_MODELS
 from tuneforge.xtuner.map_training import TrainingMapping
+from tuneforge.xtuner.map_vision import VISION_MODELS, VisionMapping
 from tuneforge.xtuner.mapper_base import Imported, plain_value, type_name
 
+KNOWN_MODELS = ("SupervisedFinetune", *PREFERENCE_MODELS, *VISION_MODELS)
 
-class Mapper(ModelMapping, DataMapping, TrainingMapping):
-    """The whole mapping: the model, the data, then the training settings, each part in its own module."""
+
+class Mapper(VisionMapping, TrainingMapping):
+    """The whole mapping: the model, the data, then the training settings, each part in its own module (the
+    vision-language models' and datasets' in `map_vision`, over the text ones)."""
 
     def run(self, deepspeed: str | None, nproc_per_node: int | None) -> Imported:
         values = self.module.values
@@ -39,12 +42,16 @@ class Mapper(ModelMapping, DataMapping, TrainingMapping):
                 "a config for xtuner's Hugging Face Trainer path; tuneforge maps its mmengine configs"
             )
         kind = type_name(model.type)
-        if kind != "SupervisedFinetune" and kind not in PREFERENCE_MODELS:
-            why = REFUSED_MODELS.get(kind, "tuneforge maps xtuner's SupervisedFinetune, DPO and ORPO only")
+        if kind not in KNOWN_MODELS:
+            why = f"tuneforge maps xtuner's {', '.join(KNOWN_MODELS)}"
             raise UserError(f"{self.path}:{model.line}: model type {kind} cannot be carried over: {why}")
         if kind in PREFERENCE_MODELS:
             self.map_preference(model, PREFERENCE_MODELS[kind])
-        self.map_model(model, values.get("tokenizer"))
+        if kind in VISION_MODELS:
+            self.map_vision_model(model, kind, values.get("tokenizer"))
+        else:
+            self.map_model(model, values.get("tokenizer"))
+            self.map_whole_vlm(model)
         self.stage = "train_dataloader"
         self.map_data(values.get("train_dataloader"))
         self.stage = "optim_wrapper"
