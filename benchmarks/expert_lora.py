@@ -64,8 +64,8 @@ def build(layers: int, rank: int, lora: dict, device: str, dtype: torch.dtype):
     from transformers import DeepseekV2ForCausalLM
 
     from tuneforge.config.schema import LoraSettings, ModelConfig
-    from tuneforge.model.adapters import make_trainable
     from tuneforge.model.moe import find_moe
+    from tuneforge.model.trainable import make_trainable
 
     torch.manual_seed(0)
     config = model_config(layers)

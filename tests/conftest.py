@@ -342,8 +342,8 @@ def single_engine(model):
 
 def trainable(model, cfg, gradient_checkpointing: bool):
     """`make_trainable` with the MoE map of `model` itself (a base nothing has wrapped yet)."""
-    from tuneforge.model.adapters import make_trainable
     from tuneforge.model.moe import find_moe
+    from tuneforge.model.trainable import make_trainable
 
     return make_trainable(model, cfg, gradient_checkpointing, find_moe(model))
 

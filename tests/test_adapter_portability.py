@@ -12,8 +12,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from tuneforge.config.schema import LoraSettings, ModelConfig
-from tuneforge.model.adapters import make_trainable
 from tuneforge.model.moe import find_moe
+from tuneforge.model.trainable import make_trainable
 from tuneforge.train.checkpoint import write_model_files
 from tuneforge.trained import load_trained
 

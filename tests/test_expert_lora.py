@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.errors import UserError
-from tuneforge.model.adapters import make_trainable
 from tuneforge.model.moe import find_moe
+from tuneforge.model.trainable import make_trainable
 from tuneforge.train.checkpoint import write_model_files
 
 from conftest import tiny_deepseek_v2, tiny_mixtral, tiny_qwen3_moe

@@ -10,8 +10,9 @@ import torch
 from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.engines.single import SingleEngine
 from tuneforge.errors import UserError
-from tuneforge.model.adapters import make_trainable, resolve_lora_targets
+from tuneforge.model.adapters import resolve_lora_targets
 from tuneforge.model.moe import find_moe
+from tuneforge.model.trainable import make_trainable
 
 from conftest import (
     REPO,

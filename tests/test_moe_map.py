@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from tuneforge.config.schema import LoraSettings, ModelConfig
-from tuneforge.model.adapters import make_trainable
 from tuneforge.model.flops import active_matmul_parameters, model_flops_per_token
 from tuneforge.model.moe import find_moe
 from tuneforge.model.router_balance import attach_router_balance, combine, routing_stats
+from tuneforge.model.trainable import make_trainable
 
 from conftest import (
     accumulate,

@@ -13,9 +13,9 @@ from tuneforge.config import load_config
 from tuneforge.config.schema import LoraSettings, ModelConfig, QuantizationConfig
 from tuneforge.errors import UserError
 from tuneforge.export import export
-from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import build_model
 from tuneforge.model.moe import find_moe
+from tuneforge.model.trainable import make_trainable
 from tuneforge.train.checkpoint import save_checkpoint
 from tuneforge.train.run import run_training
 from tuneforge.trained import load_trained

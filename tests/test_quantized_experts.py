@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM
 
 from tuneforge.config.schema import LoraSettings, ModelConfig, QuantizationConfig
 from tuneforge.errors import UserError
-from tuneforge.model.adapters import make_trainable
 from tuneforge.model.expert_lora import grouped_experts_forward
 from tuneforge.model.moe import find_moe
 from tuneforge.model.quantize import quantized_linears
@@ -23,6 +22,7 @@ from tuneforge.model.quantized_experts import (
     stacked_numel,
 )
 from tuneforge.model.stacked_experts import compute_dtype, stacked_weight_names
+from tuneforge.model.trainable import make_trainable
 from tuneforge.train.checkpoint import write_model_files
 
 from conftest import tiny_deepseek_v2, tiny_mixtral, tiny_qwen3_moe

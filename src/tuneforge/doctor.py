@@ -19,7 +19,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from tuneforge.config.schema import Config, LoraSettings
 from tuneforge.data.conversation import Conversation, Turn
-from tuneforge.data.templates import TOKENIZER, get_template
+from tuneforge.data.templates import TOKENIZER, get_template, template_spec
 from tuneforge.distributed import DistInfo
 from tuneforge.engines import EngineChoice, EngineTraits, engine_traits
 from tuneforge.engines.expert_parallel import PRESETS
@@ -335,7 +335,7 @@ def check_packing(cfg: Config) -> Check:
 
 def check_template(cfg: Config, tokenizer: PreTrainedTokenizerBase | None) -> Check:
     name = "chat template"
-    spec = cfg.data.template
+    spec = template_spec(cfg.data.template)
     if tokenizer is None:
         return Check(name, PASS, "tokenizer not read")
     own = getattr(tokenizer, "chat_template", None)

@@ -8,7 +8,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from tuneforge.data.conversation import Conversation
-from tuneforge.data.templates import ChatTemplate
+from tuneforge.data.image_tokens import ImageTokens
+from tuneforge.data.images import open_image
+from tuneforge.data.templates import ChatTemplate, Encoded
 from tuneforge.model.precision import autocast
 
 
@@ -39,10 +41,12 @@ def generate_replies(
     streamer: TextStreamer | None = None,
     synced: bool = False,
     on_batch: Callable[[], None] | None = None,
+    images: ImageTokens | None = None,
 ) -> list[str]:
     """Greedy replies to conversations whose last turn is open, `batch_size` at a time, left-padded so every
     row ends at its prompt. `synced`: the model is sharded across ranks, so every rank keeps stepping until
-    all are done (ranks whose replies end early would otherwise leave the others in an all-gather)."""
+    all are done (ranks whose replies end early would otherwise leave the others in an all-gather). `images`: a
+    vision-language model's image tokens, for prompts with images."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -51,7 +55,11 @@ def generate_replies(
     replies: list[str] = []
     try:
         for start in range(0, len(prompts), batch_size):
-            ids = [template.prompt_ids(p, tokenizer, system) for p in prompts[start : start + batch_size]]
+            batch = prompts[start : start + batch_size]
+            ids = [template.prompt_ids(p, tokenizer, system) for p in batch]
+            pixels: dict = {}
+            if images is not None:
+                ids, pixels = _with_images(images, batch, ids, device)
             width = max(len(p) for p in ids)
             input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
             attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -68,6 +76,7 @@ def generate_replies(
                     pad_token_id=tokenizer.pad_token_id,
                     streamer=streamer,
                     synced_gpus=synced,
+                    **pixels,
                 )
             for row in output[:, width:]:
                 replies.append(_cut_at_stop(tokenizer.decode(row, skip_special_tokens=True), stops))
@@ -76,3 +85,18 @@ def generate_replies(
     finally:
         model.train(was_training)
     return replies
+
+
+def _with_images(
+    images: ImageTokens, prompts: list[Conversation], ids: list[list[int]], device: torch.device
+) -> tuple[list[list[int]], dict]:
+    """Prompt ids with each image placeholder expanded into its image's tokens, and the batch's pixel inputs
+    (none when no prompt has an image)."""
+    expanded, loaded = [], []
+    for prompt, prompt_ids in zip(prompts, ids, strict=True):
+        encoded, _ = images.expand(prompt, Encoded(list(prompt_ids), list(prompt_ids)))
+        expanded.append(encoded.input_ids)
+        loaded += [open_image(source, images.pixel_limit) for source in prompt.images]
+    if not loaded:
+        return expanded, {}
+    return expanded, {name: value.to(device) for name, value in images.pixels(loaded).items()}

@@ -170,8 +170,8 @@ def test_a_whole_step_with_router_balance_reads_the_device_once(tokenizer):
 def expert_adapted(tokenizer, grouped: bool):
     """A bf16 Qwen3-MoE on CUDA, adapters on its stacked experts (r=16: grouped_mm's alignment holds)."""
     from tuneforge.config.schema import LoraSettings, ModelConfig
-    from tuneforge.model.adapters import make_trainable
     from tuneforge.model.moe import find_moe
+    from tuneforge.model.trainable import make_trainable
 
     from conftest import tiny_qwen3_moe
 

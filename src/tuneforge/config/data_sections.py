@@ -84,10 +84,11 @@ class DataConfig(Section):
     split_seed: int = Field(0, ge=0)
     """Seed of the held-out selection; independent of `train.seed` so the split stays put across runs."""
 
-    template: str | TemplateConfig = "deepseek_coder"
+    template: str | TemplateConfig | None = None
     """Chat template: a built-in name (deepseek_coder, deepseek_v2, llama3_chat, qwen_chat, internlm2_chat,
-    mistral, mixtral, zephyr), `tokenizer` for the tokenizer's own chat_template, or an inline template. Left
-    unset, a vision-language model uses its processor's chat template instead of the default."""
+    mistral, mixtral, zephyr), `tokenizer` for the tokenizer's own chat_template (a vision-language model's:
+    its processor's), or an inline template. None: deepseek_coder (xtuner's default) for a text model, the
+    processor's chat template for a vision-language model."""
 
     image_root: str | None = None
     """Folder that relative image paths in the data resolve against (None: each data file's own folder).

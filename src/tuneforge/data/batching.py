@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +54,11 @@ class MicroBatch:
     Per-sample values (an answer's log-probability, a conversation's score) are sums over the shards."""
     sequence_shard: tuple[int, int] = (0, 1)
     """(shard, shards) of the rows under sequence parallelism."""
+    images: list[str] = field(default_factory=list)
+    """Image sources of a vision-language model's samples, in the order of their tokens in the rows."""
+    vision: dict[str, torch.Tensor] | None = None
+    """The model's pixel inputs for those images (`pixel_values` and what the family adds), set by
+    `ImageBatches.attach`; None for a text-only model."""
 
     def __post_init__(self) -> None:
         if self.global_targets < 0:
@@ -87,9 +92,11 @@ def collate(
     position_ids = torch.zeros(shape, dtype=torch.long)
     sequence_ids = torch.full(shape, -1, dtype=torch.long)
     origins = []
+    images = []
     for r, row in enumerate(rows):
         cursor = 0
         for s, index in enumerate(row):
+            images += data.images_of(index)
             ids, labels = data.sample(index)
             n = len(ids)
             input_ids[r, cursor : cursor + n] = torch.from_numpy(ids.astype(np.int64))
@@ -104,7 +111,15 @@ def collate(
     attention_mask = (sequence_ids >= 0).long()
     indices = [index for row in rows for index in row]
     return MicroBatch(
-        input_ids, attention_mask, targets, position_ids, sequence_ids, packed, origins, sample_indices=indices
+        input_ids,
+        attention_mask,
+        targets,
+        position_ids,
+        sequence_ids,
+        packed,
+        origins,
+        sample_indices=indices,
+        images=images,
     )
 
 
@@ -232,7 +247,8 @@ class BatchPlanner:
 
     `group` samples in a row of the data make one unit that is never split (2 for preference pairs: a chosen
     and a rejected answer): a row holds one unit, or with packing as many as fit `max_length` per sample, each
-    sample isolated from the others by the attention."""
+    sample isolated from the others by the attention. `attach_images`: a vision-language model's pixel inputs
+    for each micro-batch (`ImageBatches.attach`)."""
 
     def __init__(
         self,
@@ -246,8 +262,10 @@ class BatchPlanner:
         world_size: int = 1,
         sequence_shard: tuple[int, int] = (0, 1),
         group: int = 1,
+        attach_images: Callable[[MicroBatch], MicroBatch] | None = None,
     ):
         assert len(data) % group == 0, "a unit's samples are stored side by side"
+        self.attach_images = attach_images
         self.data = data
         self.global_micro_batch = micro_batch_size * world_size
         self.pad_id = pad_id
@@ -296,7 +314,8 @@ class BatchPlanner:
             batch = collate(self.data, rows, self.pad_id, packed, sequence_width_multiple(size))
             batch.global_targets, batch.global_samples = global_targets, global_samples
             mask_filler_rows(batch, self.rank, self.world_size, real)
-            yield shard_rows(batch, shard, size)
+            batch = shard_rows(batch, shard, size)
+            yield self.attach_images(batch) if self.attach_images is not None else batch
 
 
 def sequence_width_multiple(size: int) -> int:

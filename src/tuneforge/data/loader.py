@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tuneforge.config.schema import Config
-from tuneforge.data.batching import BatchPlanner, best_fit_decreasing, padding_fraction, plan_epoch
+from tuneforge.data.batching import BatchPlanner, MicroBatch, best_fit_decreasing, padding_fraction, plan_epoch
 from tuneforge.data.tokenize import TokenizedData
 from tuneforge.distributed import Layout
 
@@ -21,9 +23,15 @@ def data_plan(cfg: Config) -> str:
     return f"train.seed={cfg.train.seed}, {rows}"
 
 
-def make_planner(data: TokenizedData, cfg: Config, pad_id: int, layout: Layout | None = None) -> BatchPlanner:
+def make_planner(
+    data: TokenizedData,
+    cfg: Config,
+    pad_id: int,
+    layout: Layout | None = None,
+    attach_images: Callable[[MicroBatch], MicroBatch] | None = None,
+) -> BatchPlanner:
     """This rank's batches: its data-parallel group's share of every global micro-batch, and under sequence
-    parallelism its shard of each row."""
+    parallelism its shard of each row; `attach_images` gives each its pixel inputs (vision-language models)."""
     layout = layout or Layout()
     return BatchPlanner(
         data,
@@ -36,6 +44,7 @@ def make_planner(data: TokenizedData, cfg: Config, pad_id: int, layout: Layout |
         layout.data_size,
         (layout.shard, layout.size),
         group=2 if cfg.paired else 1,
+        attach_images=attach_images,
     )
 
 

@@ -18,8 +18,10 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from tuneforge.config.schema import DataConfig
-from tuneforge.data.conversation import Conversation, SampleError
+from tuneforge.data.conversation import Conversation, SampleError, check_image_marks
 from tuneforge.data.formats import detect_format, to_conversation
+from tuneforge.data.image_tokens import ImageTokens
+from tuneforge.data.images import resolve_source
 from tuneforge.data.pairs import answer_origin, is_pair_record, read_pairs
 from tuneforge.data.report import DropLog, ItemizedDrops, SplitReport, length_stats
 from tuneforge.data.sources import MALFORMED_JSON, read_records
@@ -51,8 +53,27 @@ class PreparedData:
 OTHER_FORMAT = "another format than the file's first record"
 
 
-def read_conversations(cfg: DataConfig, files: list[str], drops: DropLog) -> tuple[list[Conversation], int]:
-    """All convertible conversations of `files`, and how many records were read."""
+TEXT_MODEL_IMAGE = "image for a text-only model"
+
+
+def _with_sources_resolved(conversation: Conversation, cfg: DataConfig, path: str, vision: bool) -> Conversation:
+    """Image sources made absolute (against `data.image_root`, else the data file's folder); a sample with
+    images for a text-only model is refused."""
+    if not conversation.images:
+        if vision:  # a literal mark would read as an image once the processor's template renders it
+            check_image_marks(conversation.turns, 0)
+        return conversation
+    if not vision:
+        raise SampleError(TEXT_MODEL_IMAGE, "this model reads no images: train a vision-language model, or drop them")
+    root = Path(cfg.image_root) if cfg.image_root is not None else Path(path).parent
+    return replace(conversation, images=tuple(resolve_source(source, root) for source in conversation.images))
+
+
+def read_conversations(
+    cfg: DataConfig, files: list[str], drops: DropLog, vision: bool = False
+) -> tuple[list[Conversation], int]:
+    """All convertible conversations of `files`, and how many records were read. `vision`: the model reads
+    images (their sources are resolved here)."""
     conversations: list[Conversation] = []
     read = 0
     for path in files:
@@ -79,7 +100,8 @@ def read_conversations(cfg: DataConfig, files: list[str], drops: DropLog) -> tup
                         "set data.format to force one"
                     )
             try:
-                conversations.append(to_conversation(record.value, file_format, record.origin))
+                conversation = to_conversation(record.value, file_format, record.origin)
+                conversations.append(_with_sources_resolved(conversation, cfg, path, vision))
             except SampleError as exc:
                 reason, detail = exc.reason, exc.detail
                 looks_like = detect_format(record.value) if cfg.format == "auto" else None
@@ -101,14 +123,16 @@ def build_split(
     tokenizer: PreTrainedTokenizerBase,
     template: ChatTemplate,
     pairs: bool = False,
+    images: ImageTokens | None = None,
 ) -> Split:
     """Read and tokenize `files`. With `pairs`, the samples are each pair's chosen then rejected answer, side by
-    side; a pair one of whose answers is dropped is dropped whole, counted once under that answer's reason."""
+    side; a pair one of whose answers is dropped is dropped whole, counted once under that answer's reason.
+    `images`: the model's image tokens (a vision-language model; pairs are text only)."""
     drops = DropLog()
     if not pairs:
-        conversations, read = read_conversations(cfg, files, drops)
+        conversations, read = read_conversations(cfg, files, drops, vision=images is not None)
         kept, truncated = tokenize(
-            conversations, tokenizer, template, cfg.max_length, cfg.truncation, cfg.system, drops
+            conversations, tokenizer, template, cfg.max_length, cfg.truncation, cfg.system, drops, images=images
         )
     else:
         both, read = read_pairs(cfg, files, drops)
@@ -124,7 +148,7 @@ def build_split(
                 kept += [(*by_origin[c.origin], c.origin) for c in (chosen, rejected)]
             else:
                 drops.add(*dropped.get(chosen.origin) or dropped[rejected.origin])
-    data = TokenizedData.from_samples(kept)
+    data = TokenizedData.from_samples(kept, with_images=images is not None)
     return Split(data, _report(name, files, read, truncated, drops, data, 2 if pairs else 1))
 
 
@@ -153,11 +177,24 @@ def _tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256((vocabulary + extra).encode()).hexdigest()
 
 
-def fingerprint(cfg: DataConfig, files: list[str], tokenizer: PreTrainedTokenizerBase, pairs: bool = False) -> str:
-    """Changes whenever a file's content or any setting that affects tokenization changes."""
-    settings = cfg.model_dump(
-        mode="json", include={"format", "split", "template", "system", "max_length", "truncation", "on_error"}
-    )
+IMAGE_SETTINGS = {"image_root", "image_max_pixels", "image_min_pixels", "image_pixel_limit"}
+
+
+def fingerprint(
+    cfg: DataConfig,
+    files: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    pairs: bool = False,
+    images: ImageTokens | None = None,
+) -> str:
+    """Changes whenever a file's content or any setting that affects tokenization changes. The images' own
+    bytes are not read for it: their tokens depend on their sizes, checked again when they are loaded."""
+    fields = {"format", "split", "template", "system", "max_length", "truncation", "on_error"}
+    settings = cfg.model_dump(mode="json", include=fields | (IMAGE_SETTINGS if images is not None else set()))
+    if images is not None:
+        settings["image_tokens"] = images.fingerprint()
+        # Relative image paths resolve against the data files' folders when no image root is set.
+        settings["image_folders"] = [str(Path(f).resolve().parent) for f in files]
     digest = hashlib.sha256(DATA_VERSION.encode() + (b":pairs" if pairs else b""))
     digest.update(json.dumps(settings, sort_keys=True).encode())
     digest.update(_tokenizer_digest(tokenizer).encode())
@@ -232,6 +269,9 @@ def _write_entry(split: Split, tmp: Path, files: list[str]) -> None:
     tmp.mkdir(parents=True)
     for field in ("input_ids", "labels", "offsets"):
         np.save(tmp / f"{field}.npy", getattr(split.data, field))
+    if split.data.image_offsets is not None:
+        np.save(tmp / "image_offsets.npy", split.data.image_offsets)
+        (tmp / "images.json").write_text(json.dumps(split.data.images))
     stored = _relocate_split(split, [str(Path(f)) for f in files], _placeholders(files))
     (tmp / "origins.json").write_text(json.dumps(stored.data.origins))
     (tmp / "report.json").write_text(json.dumps(stored.report.to_json()))
@@ -251,6 +291,9 @@ def _load(directory: Path, files: list[str]) -> Split:
                 raise DamagedCache(f"{file} changed since it was written (its checksum differs)")
         arrays = {f: np.load(directory / f"{f}.npy", mmap_mode="r") for f in ("input_ids", "labels", "offsets")}
         origins = json.loads((directory / "origins.json").read_text())
+        if "images.json" in sums:
+            arrays["image_offsets"] = np.load(directory / "image_offsets.npy")
+            arrays["images"] = json.loads((directory / "images.json").read_text())
         report = SplitReport.from_json(json.loads((directory / "report.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # missing, cut short, or not ours
         raise DamagedCache(f"{directory}: {first_line(exc)}") from None
@@ -307,14 +350,15 @@ def prepare_split(
     local_rank: int = 0,
     local_ranks: int = 1,
     pairs: bool = False,
+    images: ImageTokens | None = None,
 ) -> tuple[Split, bool]:
     """The tokenized split and whether it came from the cache. With a cache and several ranks on a node, the
     node's local rank 0 builds it while the node's others wait (with their own timeout, independent of the
     training watchdog): per node, since `data.cache_dir` (by default under the home directory) may be on each
     node's own disk, where the ranks of other nodes would wait for it in vain."""
     if cfg.cache_dir is None:
-        return build_split(name, cfg, files, tokenizer, template, pairs), False
-    directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer, pairs)
+        return build_split(name, cfg, files, tokenizer, template, pairs, images), False
+    directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer, pairs, images)
     here = [str(Path(f)) for f in files]
     if local_rank != 0 and local_ranks > 1:
         try:
@@ -328,7 +372,7 @@ def prepare_split(
             return _load(directory, here), True
         except DamagedCache as damaged:
             _set_aside(directory, f"{damaged}")
-    split = build_split(name, cfg, files, tokenizer, template, pairs)
+    split = build_split(name, cfg, files, tokenizer, template, pairs, images)
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         _save(split, directory, files)
@@ -369,14 +413,15 @@ def prepare_data(
     local_rank: int = 0,
     local_ranks: int = 1,
     pairs: bool = False,
+    images: ImageTokens | None = None,
 ) -> PreparedData:
     """The train and validation splits; `pairs`: the files hold preference pairs (`train.objective` dpo, orpo,
-    reward)."""
-    train, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template, local_rank, local_ranks, pairs)
+    reward); `images`: a vision-language model's image tokens."""
+    train, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template, local_rank, local_ranks, pairs, images)
     validation = None
     if cfg.validation_files:
         validation, _ = prepare_split(
-            "validation", cfg, cfg.validation_files, tokenizer, template, local_rank, local_ranks, pairs
+            "validation", cfg, cfg.validation_files, tokenizer, template, local_rank, local_ranks, pairs, images
         )
     elif cfg.validation_fraction:
         train, validation = hold_out(train, cfg.validation_fraction, cfg.split_seed, 2 if pairs else 1)

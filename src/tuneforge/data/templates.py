@@ -172,6 +172,10 @@ class TokenizerTemplate:
                 f"data.template=tokenizer: {type(tokenizer).__name__} is not a fast tokenizer, which the loss mask "
                 "needs (the character offsets of its tokens); pick a built-in template"
             )
+        return self._encode_rendered(conversations, tokenizer, default_system)
+
+    def _encode_rendered(self, conversations, tokenizer, default_system) -> list[Encoded]:
+        """Render, tokenize with character offsets, and label the reply spans found by `_spans`."""
         rendered = [self._spans(c, tokenizer, default_system) for c in conversations]
         batch = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
         results = []
@@ -270,8 +274,19 @@ def recorded_template(spec: str | dict, where: Path) -> ChatTemplate:
         ) from None
 
 
-def get_template(spec: str | TemplateConfig) -> ChatTemplate:
-    """A built-in template by name, `tokenizer` for the tokenizer's Jinja template, or a custom one."""
+DEFAULT_TEMPLATE = "deepseek_coder"
+"""A text model's template when `data.template` is unset (xtuner's default)."""
+
+
+def template_spec(spec: str | TemplateConfig | None) -> str | TemplateConfig:
+    """`data.template` with its default filled in (for a text model)."""
+    return DEFAULT_TEMPLATE if spec is None else spec
+
+
+def get_template(spec: str | TemplateConfig | None) -> ChatTemplate:
+    """A built-in template by name, `tokenizer` for the tokenizer's Jinja template, or a custom one; None, the
+    default."""
+    spec = template_spec(spec)
     if isinstance(spec, TemplateConfig):
         return PromptTemplate(**{**spec.model_dump(), "stop_words": tuple(spec.stop_words)})
     if spec == TOKENIZER:

@@ -3,27 +3,40 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from tuneforge.data.conversation import Conversation
+from tuneforge.data.conversation import Conversation, SampleError
 from tuneforge.data.report import DropLog
 from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate, Encoded
+
+if TYPE_CHECKING:
+    from tuneforge.data.image_tokens import ImageTokens
 
 TOO_LONG = "longer than data.max_length"
 NO_TARGET = "no trained tokens"
 
 
+Sample = tuple
+"""(input_ids, labels, origin) or (input_ids, labels, origin, images): a kept sample, `images` its image
+sources in the order of their tokens."""
+
+
 @dataclass
 class TokenizedData:
-    """Samples stored back to back: sample i is `input_ids[offsets[i]:offsets[i+1]]` (labels alike, unshifted)."""
+    """Samples stored back to back: sample i is `input_ids[offsets[i]:offsets[i+1]]` (labels alike, unshifted),
+    its images `images[image_offsets[i]:image_offsets[i+1]]` (sources, in the order of their tokens)."""
 
     input_ids: np.ndarray
     labels: np.ndarray
     offsets: np.ndarray
     origins: list[str]
+    images: list[str] = field(default_factory=list)
+    image_offsets: np.ndarray | None = None
+    """None: no sample has images (a text dataset)."""
 
     def __len__(self) -> int:
         return len(self.origins)
@@ -50,19 +63,41 @@ class TokenizedData:
         start, end = self.offsets[index], self.offsets[index + 1]
         return self.input_ids[start:end], self.labels[start:end]
 
+    def images_of(self, index: int) -> list[str]:
+        if self.image_offsets is None:
+            return []
+        return self.images[self.image_offsets[index] : self.image_offsets[index + 1]]
+
+    @property
+    def has_images(self) -> bool:
+        return self.image_offsets is not None and len(self.images) > 0
+
     def subset(self, indices: list[int]) -> TokenizedData:
-        return TokenizedData.from_samples([(*self.sample(i), self.origins[i]) for i in indices])
+        return TokenizedData.from_samples(
+            [(*self.sample(i), self.origins[i], tuple(self.images_of(i))) for i in indices],
+            with_images=self.image_offsets is not None,
+        )
 
     @staticmethod
-    def from_samples(samples: list[tuple[np.ndarray | list[int], np.ndarray | list[int], str]]) -> TokenizedData:
+    def from_samples(samples: list[Sample], with_images: bool | None = None) -> TokenizedData:
+        """`with_images`: keep image offsets even when no sample has an image (a vision-language model's text
+        split); by default, when any sample comes with its images."""
         offsets = np.zeros(len(samples) + 1, dtype=np.int64)
-        np.cumsum([len(ids) for ids, _, _ in samples], out=offsets[1:])
+        np.cumsum([len(sample[0]) for sample in samples], out=offsets[1:])
 
         def flat(column: int) -> np.ndarray:
             parts = [np.asarray(sample[column], dtype=np.int32) for sample in samples]
             return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
-        return TokenizedData(flat(0), flat(1), offsets, [origin for _, _, origin in samples])
+        images_per_sample = [tuple(sample[3]) if len(sample) > 3 else () for sample in samples]
+        if with_images is None:
+            with_images = any(len(sample) > 3 for sample in samples)
+        image_offsets = None
+        if with_images:
+            image_offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+            np.cumsum([len(images) for images in images_per_sample], out=image_offsets[1:])
+        images = [source for images in images_per_sample for source in images]
+        return TokenizedData(flat(0), flat(1), offsets, [sample[2] for sample in samples], images, image_offsets)
 
 
 def apply_length_policy(encoded: Encoded, max_length: int, truncation: str) -> Encoded | None:
@@ -105,9 +140,12 @@ def tokenize(
     default_system: str | None,
     drops: DropLog,
     chunk_size: int = 2048,
-) -> tuple[list[tuple[list[int], list[int], str]], int]:
+    images: ImageTokens | None = None,
+) -> tuple[list[Sample], int]:
     """Tokenize in chunks (one batched tokenizer call each); dropped samples are counted in `drops`.
-    Returns the kept samples and how many were truncated."""
+    Returns the kept samples and how many were truncated. With `images` (a vision-language model), each
+    sample's images become their tokens (a sample is never cut inside an image: cuts fall between turns) and
+    kept samples carry their images' sources."""
     kept = []
     truncated = 0
     bound = max_length * CHARS_PER_TOKEN_BOUND
@@ -121,6 +159,13 @@ def tokenize(
     for start in range(0, len(conversations), chunk_size):
         chunk = conversations[start : start + chunk_size]
         for conversation, encoded in zip(chunk, template.encode(chunk, tokenizer, default_system), strict=True):
+            starts: list[int] = []
+            if images is not None:
+                try:
+                    encoded, starts = images.expand(conversation, encoded)
+                except SampleError as exc:
+                    drops.add(exc.reason, f"{conversation.origin}: {exc.detail}" if exc.detail else conversation.origin)
+                    continue
             fitted = apply_length_policy(encoded, max_length, truncation)
             if fitted is None:
                 drops.add(TOO_LONG, f"{conversation.origin} ({len(encoded.input_ids)} tokens)")
@@ -132,5 +177,9 @@ def tokenize(
                     drops.add(NO_TARGET, conversation.origin)
                 continue
             truncated += fitted is not encoded  # counted among the kept samples only
-            kept.append((fitted.input_ids, fitted.labels, conversation.origin))
+            if images is None:
+                kept.append((fitted.input_ids, fitted.labels, conversation.origin))
+            else:
+                kept_images = conversation.images[: sum(start < len(fitted.input_ids) for start in starts)]
+                kept.append((fitted.input_ids, fitted.labels, conversation.origin, kept_images))
     return kept, truncated

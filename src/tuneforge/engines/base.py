@@ -243,7 +243,7 @@ class Engine(abc.ABC):
             self.scaler.unscale_(parameters)
         norm = global_grad_norm(parameters, max_grad_norm)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # a part with its own rate (optim.LR_SCALE)
         if self.optimizer.defaults.get("fused"):
             self.optimizer.found_inf = (~torch.isfinite(norm)).float()
             try:

@@ -327,7 +327,7 @@ class DeepSpeedEngine(Engine):
                 f"a step cannot ask for {max_grad_norm}"
             )
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # a part with its own rate (optim.LR_SCALE)
         self._engine.step()
         if self.fp16 and getattr(self.optimizer, "overflow", False):
             return float("inf")

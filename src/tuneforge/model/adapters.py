@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from torch import nn
 
-from tuneforge.config.schema import LoraSettings, ModelConfig
+from tuneforge.config.schema import LoraSettings
 from tuneforge.errors import UserError
 from tuneforge.model.expert_lora import grouped_layers
 from tuneforge.model.moe import MoEMap
@@ -51,8 +51,11 @@ def _matches(name: str, targets: str | list[str]) -> bool:
     return matches_module_name(name, targets)
 
 
-def resolve_lora_targets(model: nn.Module, settings: LoraSettings, moe: MoEMap) -> LoraTargets:
-    """Targets on the base model `model`, whose MoE map is `moe` (the run's, found before anything wrapped it)."""
+def resolve_lora_targets(
+    model: nn.Module, settings: LoraSettings, moe: MoEMap, within: Callable[[str], bool] | None = None, where: str = ""
+) -> LoraTargets:
+    """Targets on the base model `model`, whose MoE map is `moe` (the run's, found before anything wrapped it);
+    `within`: only modules whose path it accepts (a part of a vision-language model, named by `where`)."""
     routers = {id(router) for router in moe.routers()}
     # The output head: the LM head, or a reward model's score head (trained whole, not through adapters).
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -62,7 +65,7 @@ def resolve_lora_targets(model: nn.Module, settings: LoraSettings, moe: MoEMap) 
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module is head or id(module) in routers:
             continue
-        if not _matches(name, settings.targets):
+        if not _matches(name, settings.targets) or (within is not None and not within(name)):
             continue
         if moe.in_experts(name) and not settings.experts:
             skipped += 1
@@ -75,13 +78,15 @@ def resolve_lora_targets(model: nn.Module, settings: LoraSettings, moe: MoEMap) 
             full = f"{block.experts_path}.{param_name}"
             if len(shape) != 3 or "." in param_name or not _matches(full, settings.targets):
                 continue
+            if within is not None and not within(full):
+                continue
             if settings.experts:
                 parameters.append(full)
             else:
                 skipped += 1
     if not modules and not parameters:
         raise UserError(
-            f"model.lora.targets: {settings.targets!r} matches no linear layer of this model "
+            f"model.lora.targets: {settings.targets!r} matches no linear layer of this model{where} "
             "(the output head and MoE routers are never targets); try `all-linear`"
         )
     return LoraTargets(modules, parameters, skipped)
@@ -214,37 +219,3 @@ def freeze_parameters(model: nn.Module, patterns: list[str]) -> str:
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError(f"model.freeze: {patterns} freezes every parameter; nothing would train")
     return f"freeze: {frozen} parameter tensors frozen by model.freeze"
-
-
-def make_trainable(
-    model: nn.Module, cfg: ModelConfig, gradient_checkpointing: bool, moe: MoEMap
-) -> tuple[nn.Module, list[str]]:
-    """k-bit preparation, activation checkpointing, then adapters or freezing; lines saying what was done.
-    `moe`: the base model's MoE map, found on `model` before anything wraps it."""
-    notes = []
-    checkpointing = {"use_reentrant": False}  # the non-reentrant form needs no input gradients and nests safely
-    if cfg.quantization is not None:
-        from peft import prepare_model_for_kbit_training
-
-        # Casts the remaining full-precision weights (norms, embeddings) to fp32 for stable training.
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing, gradient_checkpointing_kwargs=checkpointing
-        )
-        q = cfg.quantization
-        kind = f"{q.bits}-bit" + (f" {q.quant_type}{', double quant' if q.double_quant else ''}" if q.bits == 4 else "")
-        experts = quantized_experts_count(model)
-        stacked = f"; the stacked experts of {experts} MoE block(s) too" if experts else ""
-        notes.append(f"quantization: base weights {kind}, compute {q.compute_dtype}{stacked}")
-    elif gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
-        else:  # transformers before the rename (5.17 has only the old name)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
-    if gradient_checkpointing:
-        notes.append("gradient checkpointing: on (activations recomputed in backward)")
-    if cfg.lora is not None:
-        model, note = apply_lora(model, cfg.lora, moe)
-        notes.append(note)
-    elif cfg.freeze:
-        notes.append(freeze_parameters(model, cfg.freeze))
-    return model, notes

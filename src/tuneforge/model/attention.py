@@ -18,6 +18,7 @@ from tuneforge.model.packed_attention import NAME as PACKED_SDPA
 from tuneforge.model.packed_attention import cumulative_lengths
 from tuneforge.model.sequence_parallel import SequenceShard
 from tuneforge.model.transfer import to_device
+from tuneforge.model.vision_inputs import vision_inputs
 
 
 def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
@@ -42,6 +43,15 @@ def sequence_shard(whole_position_ids: torch.Tensor, device: torch.device) -> Se
 
 
 def model_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> dict[str, object]:
+    """The forward's keyword inputs for `batch`: tokens, positions, what keeps attention inside each sample, and
+    a vision-language model's pixel inputs."""
+    inputs = _token_inputs(model, batch, device)
+    if batch.vision is not None:
+        inputs |= vision_inputs(model, batch, device)
+    return inputs
+
+
+def _token_inputs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> dict[str, object]:
     inputs: dict[str, object] = {
         "input_ids": to_device(batch.input_ids, device),
         "position_ids": to_device(batch.position_ids, device),

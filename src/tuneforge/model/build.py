@@ -13,6 +13,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
@@ -26,6 +27,7 @@ from tuneforge.data.byte_tokenizer import build_byte_tokenizer
 from tuneforge.distributed import DistInfo, barrier, gather_objects
 from tuneforge.errors import UserError
 from tuneforge.model import packed_attention
+from tuneforge.model.compose import compose_llava, composed_config, load_projector, with_image_token
 from tuneforge.model.own_code import own_code_problem
 from tuneforge.model.quantize import (
     bitsandbytes_config,
@@ -44,6 +46,7 @@ from tuneforge.model.staging import (
     choose_staging,
     device_load_bytes,
 )
+from tuneforge.model.vision import VisionParts, is_vision_config, is_vision_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,6 +60,12 @@ def build_tokenizer(cfg: ModelConfig, local_files_only: bool = False) -> PreTrai
         tokenizer = AutoTokenizer.from_pretrained(
             source, trust_remote_code=cfg.trust_remote_code, local_files_only=local_files_only
         )
+    if cfg.architecture is not None and is_vision_model(cfg):
+        from tuneforge.model.fresh_vision import vision_tokenizer
+
+        tokenizer = vision_tokenizer(tokenizer, cfg.architecture)  # with the family's image tokens
+    if cfg.vision is not None and cfg.vision.tower_path is not None:
+        tokenizer = with_image_token(tokenizer)
     if tokenizer.eos_token is None:
         raise UserError(f"model.tokenizer: the tokenizer at {source} has no EOS token; set one in its config")
     if tokenizer.pad_token is None:
@@ -70,6 +79,10 @@ def _fresh_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase):
         close = difflib.get_close_matches(cfg.architecture, list(CONFIG_MAPPING.keys()), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise UserError(f"model.architecture: {cfg.architecture!r} is not a transformers model type{hint}")
+    if is_vision_model(cfg):
+        from tuneforge.model.fresh_vision import fresh_vision_config
+
+        return fresh_vision_config(cfg.architecture, cfg.size, tokenizer)
     defaults = AutoConfig.for_model(cfg.architecture)
     for key in cfg.size:
         if not hasattr(defaults, key) and not _read_by_modeling_code(cfg.architecture, key):
@@ -92,6 +105,8 @@ def model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pretra
     """The model's config alone (no weights): a fresh model's from `model.size`, else `model.path`'s config.json."""
     if cfg.architecture is not None:
         return _fresh_config(cfg, tokenizer)
+    if cfg.vision is not None and cfg.vision.tower_path is not None:
+        return composed_config(cfg.path, cfg.vision.tower_path, tokenizer, cfg.trust_remote_code)
     return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
 
 
@@ -140,9 +155,14 @@ def _skeleton(path: str, remote: bool, required: bool) -> torch.nn.Module | None
         return None
 
 
-def model_class(scalar_head: bool) -> type:
+def model_class(scalar_head: bool, vision: bool = False) -> type:
     """The transformers auto class: the causal LM, or for reward models the same network with a score head
-    (`XForSequenceClassification`, one label) in place of the LM head."""
+    (`XForSequenceClassification`, one label) in place of the LM head; a vision-language model's
+    image-text-to-text class."""
+    if vision:
+        if scalar_head:
+            raise UserError("reward models of vision-language models are not supported; train a text model")
+        return AutoModelForImageTextToText
     return AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
 
 
@@ -155,6 +175,7 @@ def _load(
     scalar_head: bool = False,
 ) -> PreTrainedModel:
     remote = cfg.trust_remote_code and not native_architecture(path)
+    vision = is_vision_model(cfg.model_copy(update={"path": path, "architecture": None}))
     options: dict = {"dtype": DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
     if scalar_head:
         options["num_labels"] = 1
@@ -167,7 +188,7 @@ def _load(
         options["quantization_config"] = bitsandbytes_config(cfg.quantization, sharded_engine)
         options["device_map"] = {"": "cpu" if staging == "host" else device}
     try:
-        model = model_class(scalar_head).from_pretrained(path, trust_remote_code=remote, **options)
+        model = model_class(scalar_head, vision).from_pretrained(path, trust_remote_code=remote, **options)
     except OSError as exc:
         raise UserError(f"model.path: cannot load a model from {path!r} ({exc})") from None
     except ValueError as exc:
@@ -252,7 +273,7 @@ def build_model(
             config = _fresh_config(cfg, tokenizer)
             if scalar_head:
                 config.num_labels = 1
-            model = model_class(scalar_head).from_config(
+            model = model_class(scalar_head, is_vision_config(config)).from_config(
                 config, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
             )
         if cfg.lora is not None:
@@ -265,9 +286,30 @@ def build_model(
             model.name_or_path = str(base_dir.resolve())
             if cfg.quantization is not None:
                 model = _load(str(base_dir), cfg, info.device, sharded_engine, info, scalar_head)
+    elif cfg.vision is not None and cfg.vision.tower_path is not None:
+        check_model_code(cfg)
+        torch.manual_seed(seed)  # the new projector's initialisation
+        model = compose_llava(
+            cfg.path,
+            cfg.vision.tower_path,
+            tokenizer,
+            DTYPES[cfg.dtype],
+            cfg.attn_implementation,
+            cfg.trust_remote_code,
+        )
+        if not sharded_engine:
+            model.to(info.device)
     else:
         check_model_code(cfg)
         model = _load(cfg.path, cfg, info.device, sharded_engine, info, scalar_head)
+    if cfg.vision is not None and cfg.vision.projector_weights is not None:
+        parts = VisionParts.of(model)
+        if parts is None:
+            raise UserError("model.vision.projector_weights: this model is a text model")
+        if info.is_main:
+            print(load_projector(model.get_submodule(parts.projector), cfg.vision.projector_weights))
+        else:
+            load_projector(model.get_submodule(parts.projector), cfg.vision.projector_weights)
     if cfg.attn_implementation == "sdpa" and model._can_set_attn_implementation():
         # A masked SDPA computes every packed row's whole square (and on GPUs loses the flash kernel): attend
         # within each sample instead, samples batched by length.

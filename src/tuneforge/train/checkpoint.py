@@ -33,6 +33,7 @@ def write_model_files(
     meta: dict[str, Any],
     config_file: Path | None = None,
     state_dict: dict | None = None,
+    processor: Any = None,
 ) -> str:
     """The Hugging Face part of a checkpoint (weights or adapter, tokenizer, chat meta) into `directory`.
     `state_dict` holds the whole model's weights when the model itself is sharded. Returns a line saying how an
@@ -43,7 +44,9 @@ def write_model_files(
         generation.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     note = make_portable(directory, model.get_base_model().config.model_type) if hasattr(model, "peft_config") else ""
-    tokenizer.save_pretrained(directory)
+    # A vision-language model's processor: its tokenizer, image processor and chat template, for
+    # `AutoProcessor.from_pretrained`.
+    (processor if processor is not None else tokenizer).save_pretrained(directory)
     (directory / CHAT_META).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
     if config_file is not None:
         shutil.copy2(config_file, directory / "config.tuneforge.yaml")

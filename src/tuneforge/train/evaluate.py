@@ -10,7 +10,7 @@ from pathlib import Path
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tuneforge.config.schema import DataConfig
-from tuneforge.data.conversation import Conversation
+from tuneforge.data.image_tokens import ImageTokens
 from tuneforge.data.pipeline import read_conversations
 from tuneforge.data.report import DropLog
 from tuneforge.data.templates import ChatTemplate
@@ -40,15 +40,16 @@ def exact_match(
     precision: str,
     synced: bool = False,
     on_batch: Callable[[], None] | None = None,
+    images: ImageTokens | None = None,
 ) -> ExactMatchResult:
     """Each conversation's last assistant message is the reference; everything before it is the prompt."""
     drops = DropLog()
-    conversations, _ = read_conversations(DataConfig(train_files=[file]), [file], drops)
+    conversations, _ = read_conversations(DataConfig(train_files=[file]), [file], drops, vision=images is not None)
     if drops.total:
         raise UserError(f"{file}: eval.exact_match.file has unusable records: {drops.examples}")
     if not conversations:
         raise UserError(f"{file}: eval.exact_match.file holds no conversations")
-    prompts = [Conversation((*c.turns[:-1], replace(c.turns[-1], assistant=None)), c.origin) for c in conversations]
+    prompts = [replace(c, turns=(*c.turns[:-1], replace(c.turns[-1], assistant=None))) for c in conversations]
     references = [c.turns[-1].assistant for c in conversations]
     replies = generate_replies(
         model,
@@ -61,6 +62,7 @@ def exact_match(
         batch_size,
         synced=synced,
         on_batch=on_batch,
+        images=images,
     )
     correct = 0
     mistakes = []

@@ -338,6 +338,7 @@ class Trainer:
             chat_meta(cfg, parts.engine),
             self.progress.log,
             lambda: self.watchdog.beat("save"),
+            parts.images.processor if parts.images is not None else None,
         )
         self.watchdog.plan(self.total_steps)
 
@@ -589,6 +590,7 @@ class Trainer:
             self.cfg.train.precision,
             synced=self.engine.generates_in_lockstep,
             on_batch=lambda: self.watchdog.beat(GENERATION, training=step > 0),
+            images=self.parts.images,
         )
         if not self.is_main:
             return

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tuneforge.config.schema import Config
 from tuneforge.data.batching import BatchPlanner, MicroBatch
+from tuneforge.data.image_tokens import ImageTokens
 from tuneforge.data.templates import ChatTemplate
 from tuneforge.distributed import Layout
 from tuneforge.engines import Engine
@@ -41,4 +42,6 @@ class RunParts:
     run_id: str = ""
     """The run this work dir belongs to (`run.json`): its step checkpoints record it."""
     layout: Layout = field(default_factory=Layout)
+    images: ImageTokens | None = None
+    """A vision-language model's image tokens and processor (generation with images, the saved processor)."""
     """This rank's data-parallel group and sequence shard (`parallel.sequence_parallel`)."""

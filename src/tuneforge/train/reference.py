@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from tuneforge.config.schema import Config, ModelConfig
 from tuneforge.data.pipeline import PreparedData
+from tuneforge.data.templates import template_spec
 from tuneforge.data.tokenize import TokenizedData
 from tuneforge.distributed import Layout, gather_objects
 from tuneforge.engines import Engine
@@ -188,7 +189,8 @@ def reference_parts(cfg: Config, tokenizer, weights: str, fresh_init: str) -> di
     model = {"settings": cfg.model.model_dump(mode="json")}
     if cfg.model.architecture is not None:
         model |= {"seed": cfg.train.seed, "init": fresh_init}
-    template = cfg.data.template if isinstance(cfg.data.template, str) else cfg.data.template.model_dump(mode="json")
+    spec = template_spec(cfg.data.template)
+    template = spec if isinstance(spec, str) else spec.model_dump(mode="json")
     return {
         "weights": weights,
         "model": _sha256(model),

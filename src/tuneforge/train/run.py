@@ -29,7 +29,6 @@ from tuneforge.engines.base import FrozenModel
 from tuneforge.errors import SharedUserError, UserError
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model import packed_attention
-from tuneforge.model.adapters import make_trainable
 from tuneforge.model.build import (
     DTYPES,
     build_frozen_copy,
@@ -44,6 +43,8 @@ from tuneforge.model.moe import MoEMap, find_moe
 from tuneforge.model.precision import with_precision
 from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
+from tuneforge.model.trainable import make_trainable
+from tuneforge.model.vision_training import part_learning_rates, settings_of
 from tuneforge.run_files import RunFiles
 from tuneforge.train.checkpoint import tidy_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
@@ -59,6 +60,7 @@ from tuneforge.train.resume import checked_resume, resume_from, run_precision
 from tuneforge.train.sinks import require_packages
 from tuneforge.train.state import data_changed_note
 from tuneforge.train.validate import validation_batches
+from tuneforge.train.vision import VisionRun, check_packing, vision_run
 from tuneforge.train.workdir import recorded_run, release_lock, start_run, take_lock
 from tuneforge.watchdog import StallWatchdog
 
@@ -184,8 +186,11 @@ def setup(
     seed_everything(cfg.train.seed)
     template = get_template(cfg.data.template)
     tokenizer = build_tokenizer(cfg.model)
+    vision = vision_run(cfg, tokenizer, say)
+    if vision is not None:
+        tokenizer, template = vision.tokenizer, vision.template
     watchdog.beat("data", training=False)
-    data = load_data(cfg, tokenizer, template, info, say)
+    data = load_data(cfg, tokenizer, template, info, say, vision)
     if cfg.watchdog.doctor != "off":
         preflight(cfg, chosen, info, tokenizer, data.training_units(cfg.paired), say)
     layout = sequence_layout(cfg, info, tokenizer, say)
@@ -194,10 +199,13 @@ def setup(
     watchdog.beat("model", training=False)
     with forked_rng(info.device):
         model, moe, balance, flops_per_token = trainable_model(cfg, tokenizer, info, work_dir, traits, say)
-    engine = chosen.build(model, lambda m: build_optimizer(m, cfg.train), info, cfg.parallel, cfg.train, moe, balance)
+    if vision is not None:
+        check_packing(cfg, model)
+    engine = chosen.build(model, optimizer_for(cfg), info, cfg.parallel, cfg.train, moe, balance)
     reference_model = frozen_reference(cfg, engine, tokenizer, info, work_dir, traits, say)
     check_sequence_parallel_attention(cfg, model, layout)
-    planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, layout)
+    attach_images = vision.attach if vision is not None else None
+    planner = make_planner(data.train.data, cfg, tokenizer.pad_token_id, layout, attach_images)
 
     def steps_from(start_step: int) -> StepGroups:
         return step_groups(planner, cfg.train.gradient_accumulation, start_step)
@@ -214,7 +222,7 @@ def setup(
 
     if info.distributed:  # the module names label collectives; one process has none, and the hooks cost time
         RECORDER.track_modules(engine.unwrapped)
-    validation = validation_split(cfg, data, tokenizer, layout)
+    validation = validation_split(cfg, data, tokenizer, layout, attach_images)
     reference_table = None
     if cfg.objective.reference_pass(cfg):
         reference_table = reference_pass(cfg, engine, data, tokenizer, layout, work_dir, watchdog, say)
@@ -236,6 +244,7 @@ def setup(
         layout=layout,
         flops_per_token=flops_per_token,
         run_id=run_id,
+        images=vision.tokens if vision is not None else None,
     )
 
 
@@ -306,10 +315,13 @@ def sequence_layout(cfg: Config, info: DistInfo, tokenizer, say: Say) -> Layout:
     return layout
 
 
-def load_data(cfg: Config, tokenizer, template, info: DistInfo, say: Say) -> PreparedData:
+def load_data(
+    cfg: Config, tokenizer, template, info: DistInfo, say: Say, vision: VisionRun | None = None
+) -> PreparedData:
     """Tokenized (or cached) splits with their reports printed; no trainable sample left is an error."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))  # the ranks on this node
-    data = prepare_data(cfg.data, tokenizer, template, info.local_rank, local_ranks, cfg.paired)
+    images = vision.tokens if vision is not None else None
+    data = prepare_data(cfg.data, tokenizer, template, info.local_rank, local_ranks, cfg.paired, images)
     for split in (data.train, data.validation):
         if split is not None:
             split.report.padding = padding_by_strategy(split.data, cfg.train.micro_batch_size, cfg.data.max_length)
@@ -386,7 +398,24 @@ def check_disk_room(cfg: Config, work_dir: Path, total: int, trainable: int, say
         say(warning)
 
 
-def validation_split(cfg: Config, data: PreparedData, tokenizer, layout: Layout) -> list[MicroBatch] | None:
+def optimizer_for(cfg: Config) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+    """The optimizer of the model an engine holds: a vision-language model's parts with their own learning
+    rates (`model.vision.tower_lr`, `projector_lr`) in groups of their own."""
+    vision = settings_of(cfg.model)
+
+    def build(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(model, cfg.train, part_learning_rates(model, vision, cfg.train.lr))
+
+    return build
+
+
+def validation_split(
+    cfg: Config,
+    data: PreparedData,
+    tokenizer,
+    layout: Layout,
+    attach_images: Callable[[MicroBatch], MicroBatch] | None = None,
+) -> list[MicroBatch] | None:
     if data.validation is not None and len(data.validation.data):
         return list(
             validation_batches(
@@ -399,6 +428,7 @@ def validation_split(cfg: Config, data: PreparedData, tokenizer, layout: Layout)
                 2 if cfg.paired else 1,
                 # A precomputed reference's table holds the train split's answers first.
                 len(data.train.data) if cfg.objective.reference_pass(cfg) else 0,
+                attach_images,
             )
         )
     if cfg.checkpoint.keep_best:
@@ -476,6 +506,7 @@ def evaluate_exact_match(parts: RunParts, info: DistInfo, say: Say) -> float:
         cfg.train.precision,
         synced=engine.generates_in_lockstep,
         on_batch=lambda: parts.watchdog.beat("eval"),
+        images=parts.images,
     )
     if info.is_main:
         write_result(result, RunFiles(parts.work_dir).eval_result)

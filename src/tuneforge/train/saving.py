@@ -19,10 +19,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import PreTrainedTokenizerBase
 
 from tuneforge.config.schema import Config
+from tuneforge.data.templates import DEFAULT_TEMPLATE, TOKENIZER
 from tuneforge.distributed import barrier
 from tuneforge.engines import Engine
 from tuneforge.errors import SharedUserError, first_line
 from tuneforge.model.quantized_experts import quantized_experts_count
+from tuneforge.model.vision import is_vision_model
 from tuneforge.train.checkpoint import (
     QUANTIZED_EXPERTS,
     commit_checkpoint,
@@ -42,7 +44,9 @@ def chat_meta(cfg: Config, engine: Engine) -> dict[str, Any]:
     """What `chat` and `export` need to use a checkpoint as it was trained: the template, the system prompt and,
     for adapters, how to rebuild the base model they were trained on."""
     data = cfg.data.model_dump(mode="json")
-    meta: dict[str, Any] = {"template": data["template"], "system": data["system"]}
+    # A vision-language model's default is its processor's chat template, saved with the checkpoint.
+    template = data["template"] or (TOKENIZER if is_vision_model(cfg.model) else DEFAULT_TEMPLATE)
+    meta: dict[str, Any] = {"template": template, "system": data["system"]}
     if cfg.model.lora is not None:
         meta["adapter"] = {
             "dtype": cfg.model.dtype,
@@ -68,8 +72,10 @@ class Checkpointer:
         meta: dict[str, Any],
         log: Callable[[str], None],
         beat: Callable[[], None],
+        processor: Any = None,
     ):
         self.engine = engine
+        self.processor = processor
         self.tokenizer = tokenizer
         self.checkpoints_dir = checkpoints_dir
         self.config_file = config_file
@@ -154,7 +160,9 @@ class Checkpointer:
     def _write_model(
         self, tmp: Path, final: Path, meta: dict[str, Any], point: ResumePoint | None, weights: dict | None
     ) -> None:
-        note = write_model_files(self.engine.unwrapped, self.tokenizer, tmp, meta, self.config_file, weights)
+        note = write_model_files(
+            self.engine.unwrapped, self.tokenizer, tmp, meta, self.config_file, weights, self.processor
+        )
         if note and not self.adapter_note_said:
             self.log(note)
             self.adapter_note_said = True

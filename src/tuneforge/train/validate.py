@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +32,13 @@ def validation_batches(
     max_length: int,
     group: int = 1,
     index_offset: int = 0,
+    attach_images: Callable[[MicroBatch], MicroBatch] | None = None,
 ) -> Iterator[MicroBatch]:
     """This rank's share of every global validation micro-batch (its data-parallel group's rows, its sequence
     shard of them). When a batch has fewer rows than groups, the rows repeated to give every group a batch have
     their targets masked, so each sample counts exactly once. `group` samples side by side stay in one row (2:
     a preference pair's answers), as in training. `index_offset` is added to the batches' sample indices (where
-    a table holds the train split's samples first)."""
+    a table holds the train split's samples first). `attach_images`: a vision-language model's pixel inputs."""
     rank, world_size = layout.data_rank, layout.data_size
     units = data.lengths.reshape(-1, group).sum(axis=1) if group > 1 else data.lengths
     packed_rows = best_fit_decreasing(units, max_length * group) if packing else None
@@ -48,7 +49,8 @@ def validation_batches(
         mine = collate(data, rows, pad_id, packing or group > 1, sequence_width_multiple(layout.size))
         mine.sample_indices = [index + index_offset for index in mine.sample_indices]
         mask_filler_rows(mine, rank, world_size, len(batch))
-        yield shard_rows(mine, layout.shard, layout.size)
+        mine = shard_rows(mine, layout.shard, layout.size)
+        yield attach_images(mine) if attach_images is not None else mine
 
 
 @dataclass(frozen=True)

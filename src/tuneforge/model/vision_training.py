@@ -1,0 +1,117 @@
+"""What trains of a vision-language model (`model.vision`): its tower, projector and language model each frozen,
+trained in full or through LoRA adapters, and the learning rate of each part.
+
+With adapters (`model.lora` on the language model, `tower: lora`), one PEFT adapter holds them all: the
+tower's rank and alpha differ through PEFT's per-module patterns, and the parts trained in full (a projector,
+a tower) train and save whole beside the adapters (`modules_to_save`), so the saved adapter loads with
+`PeftModel.from_pretrained` alone. Without adapters, each part's parameters are frozen or not.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from tuneforge.config.schema import LoraSettings, ModelConfig, VisionSettings
+from tuneforge.errors import UserError
+from tuneforge.model.adapters import exact_targets, freeze_parameters, resolve_lora_targets
+from tuneforge.model.moe import MoEMap
+from tuneforge.model.quantized_experts import plain_for_peft
+from tuneforge.model.vision import LANGUAGE, PROJECTOR, TOWER, VisionParts
+
+LR_SCALE = "lr_scale"
+"""Optimizer group key: the group's learning rate as a multiple of the schedule's (a part's own rate)."""
+
+
+def settings_of(cfg: ModelConfig) -> VisionSettings:
+    return cfg.vision if cfg.vision is not None else VisionSettings()
+
+
+def make_vision_trainable(model: nn.Module, cfg: ModelConfig, moe: MoEMap, parts: VisionParts) -> tuple[nn.Module, str]:
+    """`model` with what `model.vision` and `model.lora` train, and a line saying it."""
+    vision = settings_of(cfg)
+    if vision.tower == "lora" and cfg.lora is None:
+        raise UserError(
+            "model.vision.tower: lora puts adapters on the tower beside the language model's (`model.lora`); add "
+            "a model.lora section, or train the tower in full (tower: full)"
+        )
+    if cfg.lora is None:
+        return model, _freeze_parts(model, cfg, vision, parts)
+    return _with_adapters(model, cfg.lora, vision, moe, parts)
+
+
+def _freeze_parts(model: nn.Module, cfg: ModelConfig, vision: VisionSettings, parts: VisionParts) -> str:
+    trains = {
+        TOWER: vision.tower == "full",
+        PROJECTOR: vision.projector == "full",
+        LANGUAGE: vision.language == "train",
+    }
+    for name, param in model.named_parameters():
+        param.requires_grad_(trains.get(parts.part_of(name) or LANGUAGE, False))
+    note = freeze_parameters(model, cfg.freeze) if cfg.freeze else ""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError("model.vision and model.freeze leave nothing to train")
+    return f"vision: {_describe(vision)}" + (f"; {note}" if note else "")
+
+
+def _with_adapters(
+    model: nn.Module, lora: LoraSettings, vision: VisionSettings, moe: MoEMap, parts: VisionParts
+) -> tuple[nn.Module, str]:
+    from peft import LoraConfig, get_peft_model
+
+    def in_part(part: str):
+        return lambda name: parts.part_of(name) == part
+
+    language = resolve_lora_targets(model, lora, moe, in_part(LANGUAGE), " (its language model)")
+    modules, parameters = list(language.modules), list(language.parameters)
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    if vision.tower == "lora":
+        tower_lora = vision.tower_lora or lora
+        tower = resolve_lora_targets(model, tower_lora, MoEMap(), in_part(TOWER), " (its vision tower)")
+        modules += tower.modules
+        for name in tower.modules:  # PEFT's per-module patterns: matched at the end of a module's path
+            ranks[re.escape(name)] = tower_lora.r
+            alphas[re.escape(name)] = tower_lora.alpha
+    saved = [*lora.modules_to_save]
+    if vision.projector == "full":
+        saved.append(parts.projector)
+    if vision.tower == "full":
+        saved.append(parts.tower)
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=modules,
+        target_parameters=parameters or None,
+        modules_to_save=saved or None,
+        rank_pattern=ranks,
+        alpha_pattern=alphas,
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    with exact_targets(model), plain_for_peft(model):
+        peft_model = get_peft_model(model, config)
+    return peft_model, f"vision: {_describe(vision)}; lora on the language model: r={lora.r}, {language.describe()}"
+
+
+def _describe(vision: VisionSettings) -> str:
+    language = "trained" if vision.language == "train" else "frozen"
+    return f"tower {vision.tower}, projector {vision.projector}, language model {language}"
+
+
+def part_learning_rates(model: nn.Module, vision: VisionSettings, lr: float) -> dict[int, float]:
+    """Each trainable parameter (by id) whose part has its own learning rate, with that rate's multiple of
+    `lr`."""
+    parts = VisionParts.of(model)
+    if parts is None:
+        return {}
+    own = {TOWER: vision.tower_lr, PROJECTOR: vision.projector_lr}
+    scales = {}
+    for name, param in model.named_parameters():
+        rate = own.get(parts.part_of(name) or LANGUAGE)
+        if param.requires_grad and rate is not None:
+            scales[id(param)] = rate / lr
+    return scales
