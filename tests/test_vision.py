@@ -331,3 +331,20 @@ def test_a_wrong_projector_is_refused_by_shape(tmp_path, llava_dir):
     torch.save({"projector.model.0.weight": torch.zeros(3, 3)}, tmp_path / "short.pth")
     with pytest.raises(UserError, match="the model's projector needs"):
         load_projector(projector, str(tmp_path / "short.pth"))
+
+
+def test_data_check_and_preview_show_images_and_their_tokens(tmp_path, llava_dir):
+    from conftest import tuneforge_here
+
+    write_records(tmp_path, mixed_records())
+    (tmp_path / "cfg.yaml").write_text(
+        f"model: {{path: {llava_dir}}}\ndata: {{train_files: [train.jsonl], cache_dir: null}}\n"
+    )
+    check = tuneforge_here("data", "check", str(tmp_path / "cfg.yaml"))
+    assert check.returncode == 0, check.stderr
+    assert "8 kept, 0 dropped" in check.stdout
+    assert "images: 7 in 6 samples (2 text-only); image tokens per image p50 4, max 4" in check.stdout
+    preview = tuneforge_here("data", "preview", str(tmp_path / "cfg.yaml"), "-n", "8")
+    assert preview.returncode == 0, preview.stderr
+    assert f"2 image(s): {tmp_path / '0.png'}, {tmp_path / '2.png'}" in preview.stdout
+    assert "<image: 4 tokens>\nand<image: 4 tokens>" in preview.stdout

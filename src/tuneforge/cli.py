@@ -372,18 +372,20 @@ def _data(args: argparse.Namespace) -> int:
     from tuneforge.data.pipeline import prepare_data
     from tuneforge.data.preview import show
     from tuneforge.data.report import format_report, nothing_trains
-    from tuneforge.data.templates import get_template
     from tuneforge.model.build import build_tokenizer
+    from tuneforge.train.vision import data_view
 
-    tokenizer = build_tokenizer(config.model)
-    prepared = prepare_data(config.data, tokenizer, get_template(config.data.template), pairs=config.paired)
+    tokenizer, template, images = data_view(config, build_tokenizer(config.model))
+    prepared = prepare_data(config.data, tokenizer, template, pairs=config.paired, images=images)
     if args.data_command == "preview":
         if len(prepared.train.data) == 0:
             print("\n".join(format_report(prepared.train.report)))
             print(f"error: {nothing_trains(prepared.train.report)}", file=sys.stderr)
             return 1
         # Pairs show as their chosen answer, then their rejected one: -n counts pairs.
-        show(tokenizer, prepared.train.data, args.n * (2 if config.paired else 1), Console(highlight=False))
+        count = args.n * (2 if config.paired else 1)
+        image_token = images.image_token_id if images is not None else None
+        show(tokenizer, prepared.train.data, count, Console(highlight=False), image_token)
         return 0
     for split in (prepared.train, prepared.validation):
         if split is None:

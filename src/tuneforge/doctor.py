@@ -31,6 +31,7 @@ from tuneforge.model.moe import MoEBlock, MoEMap, find_moe
 from tuneforge.model.precision import choose_precision, native_cpu_half_precision, with_precision
 from tuneforge.model.quantize import quantized_linears
 from tuneforge.model.quantized_experts import quantizable_experts, stacked_numel
+from tuneforge.model.vision import is_vision_model
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -335,9 +336,11 @@ def check_packing(cfg: Config) -> Check:
 
 def check_template(cfg: Config, tokenizer: PreTrainedTokenizerBase | None) -> Check:
     name = "chat template"
-    spec = template_spec(cfg.data.template)
     if tokenizer is None:
         return Check(name, PASS, "tokenizer not read")
+    if cfg.data.template is None and is_vision_model(cfg.model):
+        return Check(name, PASS, "the processor's own (a vision-language model)")
+    spec = template_spec(cfg.data.template)
     own = getattr(tokenizer, "chat_template", None)
     if spec == TOKENIZER or not own:
         return Check(name, PASS, "the tokenizer's own" if spec == TOKENIZER else "the model has no chat template")

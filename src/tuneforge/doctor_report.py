@@ -7,11 +7,11 @@ from pathlib import Path
 
 from tuneforge.config import load_config
 from tuneforge.data.pipeline import prepare_data
-from tuneforge.data.templates import get_template
 from tuneforge.doctor import FAIL, WARN, Check, doctor_engine, format_checks, run_checks
 from tuneforge.errors import UserError
 from tuneforge.estimate import ACCELERATORS
 from tuneforge.model.build import build_tokenizer
+from tuneforge.train.vision import data_view
 
 
 def doctor_checks(
@@ -38,7 +38,8 @@ def doctor_checks(
         skipped.append(Check("tokenizer", WARN, f"{source} is not on this machine: template and data not checked"))
     if tokenizer is not None:
         try:
-            data = prepare_data(config.data, tokenizer, get_template(config.data.template), 0, 1, config.paired)
+            tokenizer, template, images = data_view(config, tokenizer)
+            data = prepare_data(config.data, tokenizer, template, 0, 1, config.paired, images)
             num_samples = data.training_units(config.paired)
         except UserError as exc:
             if model_config is None:

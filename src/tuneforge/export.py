@@ -15,6 +15,7 @@ from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.model.portable_adapter import make_portable
+from tuneforge.model.vision import VisionParts
 from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, remove_entry, share_as_umask_allows
 from tuneforge.trained import (
     ADAPTER_CONFIG,
@@ -24,6 +25,8 @@ from tuneforge.trained import (
     base_dtype,
     check_checkpoint,
     is_adapter,
+    is_vision_checkpoint,
+    load_processor,
     load_trained,
     loading,
 )
@@ -160,8 +163,10 @@ def export(
     else:  # a reward model: transformers reads each conversation's score at its last token that is not the pad
         model.config.pad_token_id = trained.tokenizer.pad_token_id
     model.save_pretrained(tmp, safe_serialization=True)
-    note = attach_chat_template(trained.tokenizer, meta)
-    trained.tokenizer.save_pretrained(tmp)
+    # A vision-language model's processor (image processor, tokenizer, chat template), for AutoProcessor.
+    saved = trained.processor or trained.tokenizer
+    note = attach_chat_template(trained.processor.tokenizer if trained.processor else trained.tokenizer, meta)
+    saved.save_pretrained(tmp)
     (tmp / CHAT_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "adapter"}, indent=2))
     _finish(tmp, out)
     what = "merged into the dequantized base" if meta.get("adapter", {}).get("quantization") else "merged"
@@ -188,11 +193,17 @@ def _export_adapter(
     # An adapter's tokenizer files are the checkpoint's: code they name never runs (transformers would ask).
     with loading("tokenizer", checkpoint):
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
-    note = attach_chat_template(tokenizer, meta)
-    tokenizer.save_pretrained(tmp)
+    processor = load_processor(checkpoint) if is_vision_checkpoint(base_path) else None
+    note = attach_chat_template(processor.tokenizer if processor else tokenizer, meta)
+    (processor or tokenizer).save_pretrained(tmp)
     (tmp / CHAT_META).write_text(json.dumps(meta, indent=2))
     _finish(tmp, out)
     lines = [f"exported adapter: {out} (base {base_path}; load with PeftModel.from_pretrained)", note]
+    if processor is not None and (beyond := adapters_beyond_language(checkpoint / ADAPTER_WEIGHTS, base_path)):
+        lines.append(
+            f"note: this adapter also changes the model's {beyond}; vLLM loads LoRA adapters on the language model "
+            "only, so serve the merged form there (tuneforge export CHECKPOINT --out DIR --merge)"
+        )
     if portable:
         lines.append(portable)
     if meta.get("adapter", {}).get("quantization"):
@@ -202,3 +213,20 @@ def _export_adapter(
             "in 4 bits and a BitsAndBytesConfig leaves in full precision, only tuneforge's loader or --merge does)"
         )
     return lines
+
+
+def adapters_beyond_language(weights: Path, base_path: str) -> str:
+    """The parts of a vision-language model besides its language model that an adapter's weights (`weights`, its
+    safetensors file) change, as words (adapters on the tower, a projector saved whole); empty when it changes
+    the language model alone."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        skeleton = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(base_path))
+    parts = VisionParts.of(skeleton)
+    if parts is None:
+        return ""
+    with safe_open(str(weights), framework="pt") as handle:
+        names = {parts.part_of(key.removeprefix("base_model.model.")) for key in handle.keys()}  # noqa: SIM118
+    return " and ".join(part for part in ("tower", "projector") if part in names)

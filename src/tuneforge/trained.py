@@ -32,6 +32,7 @@ from tuneforge.model.quantized_experts import (
     quantizable_experts,
     quantize_stacked_experts,
 )
+from tuneforge.model.vision import is_vision_config
 from tuneforge.pickle_guard import refuse_unsafe_pickles, starts_as_zip
 from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta
 
@@ -45,6 +46,24 @@ class Trained:
     meta: dict[str, Any]
     base: str | None
     """The base model directory of an adapter checkpoint (None for a full model)."""
+    processor: Any = None
+    """A vision-language model's processor (its image processor and chat template); None for a text model."""
+
+
+def is_vision_checkpoint(path: str | Path) -> bool:
+    """Whether the model at `path` (a checkpoint, or an adapter's base) is a vision-language model."""
+    try:
+        return is_vision_config(AutoConfig.from_pretrained(path, trust_remote_code=False))
+    except (OSError, ValueError):
+        return False
+
+
+def load_processor(checkpoint: Path) -> Any:
+    """A vision-language checkpoint's processor, saved with it by training."""
+    from transformers import AutoProcessor
+
+    with loading("processor", checkpoint):
+        return AutoProcessor.from_pretrained(checkpoint, trust_remote_code=False)
 
 
 def is_adapter(checkpoint: Path) -> bool:
@@ -150,10 +169,11 @@ def _load_base(
     remote = allow_remote_code(path, trust_remote_code, bool(adapter_meta.get("trust_remote_code", False)))
     quantization = adapter_meta.get("quantization")
     head = {"num_labels": 1} if scored else {}
+    vision = is_vision_checkpoint(path)
     if quantization is None:
-        return model_class(scored).from_pretrained(path, dtype=torch.float32, trust_remote_code=remote, **head)
+        return model_class(scored, vision).from_pretrained(path, dtype=torch.float32, trust_remote_code=remote, **head)
     settings = QuantizationConfig.model_validate(quantization)
-    model = model_class(scored).from_pretrained(
+    model = model_class(scored, vision).from_pretrained(
         path,
         dtype=torch.float32,
         trust_remote_code=remote,
@@ -222,11 +242,14 @@ def load_trained(
     remote = not is_adapter(checkpoint) and allow_remote_code(str(checkpoint), trust_remote_code)
     with loading("tokenizer", checkpoint):
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=remote)
+    processor = load_processor(checkpoint) if is_vision_checkpoint(checkpoint) else None
     if not is_adapter(checkpoint):
         scored = is_reward_model(checkpoint)
         with loading("model", checkpoint):
-            model = model_class(scored).from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=remote)
-        return Trained(model.eval(), tokenizer, meta, None)
+            model = model_class(scored, processor is not None).from_pretrained(
+                checkpoint, dtype=torch.float32, trust_remote_code=remote
+            )
+        return Trained(model.eval(), tokenizer, meta, None, processor)
     base_path = adapter_base(checkpoint, base)
     config = PeftConfig.from_pretrained(checkpoint)
     scored = config.task_type == "SEQ_CLS"
@@ -240,7 +263,9 @@ def load_trained(
         model = PeftModel.from_pretrained(base_model, checkpoint, config=config)
     if merge:
         model = model.merge_and_unload()
-    return Trained(model.eval(), tokenizer, meta, base_path)
+    if processor is None and is_vision_checkpoint(base_path):
+        processor = load_processor(Path(base_path))
+    return Trained(model.eval(), tokenizer, meta, base_path, processor)
 
 
 def base_dtype(path: str) -> torch.dtype:

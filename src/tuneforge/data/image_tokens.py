@@ -48,6 +48,10 @@ class ImageTokens:
             )
         self.placeholder = token
         self.placeholder_id = ids[0]
+        # The id standing for each token of an image's features: the placeholder itself, except where the
+        # placeholder opens an image (Gemma 3's begin-of-image) and the tokenizer names the feature token.
+        named = getattr(tokenizer, "image_token", None)
+        self.image_token_id = tokenizer.convert_tokens_to_ids(named) if isinstance(named, str) else ids[0]
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

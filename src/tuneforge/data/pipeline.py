@@ -23,7 +23,7 @@ from tuneforge.data.formats import detect_format, to_conversation
 from tuneforge.data.image_tokens import ImageTokens
 from tuneforge.data.images import resolve_source
 from tuneforge.data.pairs import answer_origin, is_pair_record, read_pairs
-from tuneforge.data.report import DropLog, ItemizedDrops, SplitReport, length_stats
+from tuneforge.data.report import DropLog, ItemizedDrops, SplitReport, image_stats, length_stats
 from tuneforge.data.sources import MALFORMED_JSON, read_records
 from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate
 from tuneforge.data.tokenize import TokenizedData, tokenize
@@ -149,7 +149,10 @@ def build_split(
             else:
                 drops.add(*dropped.get(chosen.origin) or dropped[rejected.origin])
     data = TokenizedData.from_samples(kept, with_images=images is not None)
-    return Split(data, _report(name, files, read, truncated, drops, data, 2 if pairs else 1))
+    report = _report(name, files, read, truncated, drops, data, 2 if pairs else 1)
+    if images is not None:
+        report.images = image_stats(data.input_ids, data.offsets, data.image_offsets, images.image_token_id)
+    return Split(data, report)
 
 
 def _report(name, files, read, truncated, drops, data: TokenizedData, group: int = 1) -> SplitReport:

@@ -52,6 +52,9 @@ class SplitReport:
     """Share of tokens that carry a label."""
     padding: dict[str, float] = field(default_factory=dict)
     """Fraction of padding tokens in the micro-batches of an epoch, per batching strategy."""
+    images: dict[str, float] = field(default_factory=dict)
+    """A vision-language model's data: images, samples with images, image tokens per image (p50, max) and
+    their share of all tokens (`image_stats`); empty for text."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,7 +94,34 @@ def format_report(report: SplitReport) -> list[str]:
     if report.length_percentiles:
         stats = ", ".join(f"{k} {v}" for k, v in report.length_percentiles.items())
         lines.append(f"  tokens per sample: {stats}; trained tokens {report.trained_fraction:.1%}")
+    if report.images:
+        stats = report.images
+        lines.append(
+            f"  images: {int(stats['images'])} in {int(stats['samples_with_images'])} samples "
+            f"({report.kept - int(stats['samples_with_images'])} text-only); image tokens per image "
+            f"p50 {int(stats['tokens_p50'])}, max {int(stats['tokens_max'])}; {stats['token_share']:.1%} of all tokens"
+        )
     if report.padding:
         waste = ", ".join(f"{name} {share:.1%}" for name, share in report.padding.items())
         lines.append(f"  padding per epoch: {waste}")
     return lines
+
+
+def image_stats(input_ids: np.ndarray, offsets: np.ndarray, image_offsets: np.ndarray, image_token: int) -> dict:
+    """Images per sample and image tokens per image of tokenized samples (`image_token`: the id that stands
+    for one token of an image's features)."""
+    per_sample_images = np.diff(image_offsets)
+    is_image = input_ids == image_token
+    running = np.concatenate([[0], np.cumsum(is_image, dtype=np.int64)])
+    per_sample_tokens = running[offsets[1:]] - running[offsets[:-1]]
+    with_images = per_sample_images > 0
+    per_image = per_sample_tokens[with_images] / per_sample_images[with_images]
+    if not with_images.any():
+        return {"images": 0, "samples_with_images": 0, "tokens_p50": 0, "tokens_max": 0, "token_share": 0.0}
+    return {
+        "images": int(per_sample_images.sum()),
+        "samples_with_images": int(with_images.sum()),
+        "tokens_p50": float(np.percentile(per_image, 50)),
+        "tokens_max": float(per_image.max()),
+        "token_share": float(is_image.sum() / max(len(input_ids), 1)),
+    }

@@ -114,3 +114,12 @@ def pixel_budget(cfg: DataConfig, image_processor) -> tuple[dict[str, Any], str]
     smallest = cfg.image_min_pixels or min(size.get("shortest_edge", per_token), largest)
     budget = {"shortest_edge": smallest, "longest_edge": largest}
     return {"size": budget}, f"images between {smallest:,} and {largest:,} pixels (up to {largest // per_token} tokens)"
+
+
+def data_view(cfg: Config, tokenizer) -> tuple[Any, ChatTemplate, ImageTokens | None]:
+    """(tokenizer, template, image tokens) the run prepares its data with: for `data check`, `data preview` and
+    the doctor, which read the data as training will."""
+    vision = vision_run(cfg, tokenizer, lambda _line: None)
+    if vision is None:
+        return tokenizer, get_template(cfg.data.template), None
+    return vision.tokenizer, vision.template, vision.tokens

@@ -1,0 +1,198 @@
+"""Vision-language runs through the commands users run: 2 ranks fed different data (one with text alone in a
+micro-batch while the other has images) train to the losses of one process under ZeRO-3 with offload and FSDP2,
+never hanging; xtuner's two stages (a LLaVA built from a language model and a CLIP tower, then LoRA on it) end in
+an export that `transformers` loads with its own classes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+from tuneforge.config.load import load_config
+from tuneforge.data.batching import BatchPlanner
+from tuneforge.data.byte_tokenizer import build_byte_tokenizer
+from tuneforge.data.image_tokens import ImageTokens
+from tuneforge.data.pipeline import prepare_data
+from tuneforge.data.vision_templates import ProcessorTemplate
+from vlm_models import tiny_llava
+
+from conftest import ENGINES, TUNEFORGE, launch, metrics, train_here
+
+COLOURS = {"red": (230, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 230), "yellow": (240, 220, 10)}
+CONFIG = """\
+model: {{path: {model}}}
+data: {{train_files: [train.jsonl], cache_dir: null, group_by_length: false, max_length: 96}}
+train: {{lr: 1.0e-3, warmup_steps: 1, precision: fp32, max_steps: 4, max_grad_norm: 1.0}}
+checkpoint: {{every_steps: 0}}
+log: {{progress: lines}}
+"""
+
+
+def write_data(directory: Path) -> Path:
+    """Image questions and text-only chats, shuffled together."""
+    records = []
+    for index in range(16):
+        name, colour = list(COLOURS.items())[index % len(COLOURS)]
+        Image.new("RGB", (24 + index, 30), colour).save(directory / f"{index}.png")
+        question = [{"type": "image", "image": f"{index}.png"}, {"type": "text", "text": "Colour?"}]
+        records.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": name}]})
+        records.append(
+            {"messages": [{"role": "user", "content": f"say {index}"}, {"role": "assistant", "content": f"{index}"}]}
+        )
+    (directory / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return directory / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> tuple[Path, Path]:
+    """(config, work dir of its run in one process with the global batch of 2 ranks' micro-batches of 1)."""
+    directory = tmp_path_factory.mktemp("vlm-job")
+    model = tiny_llava(directory / "model")
+    write_data(directory)
+    config = directory / "cfg.yaml"
+    config.write_text(CONFIG.format(model=model))
+    result = train_here(config, directory / "one", "train.micro_batch_size=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return config, directory / "one"
+
+
+def rank_shares_differ_in_kind(config: Path) -> bool:
+    """Whether some step gives one rank only text while the other has an image: the case that hangs a sharded
+    engine whose text-only rank skips the tower."""
+    cfg = load_config(config)
+    processor = AutoProcessor.from_pretrained(cfg.model.path)
+    data = prepare_data(
+        cfg.data, processor.tokenizer, ProcessorTemplate(processor), images=ImageTokens(processor, {}, 10**8)
+    ).train.data
+    ranks = [BatchPlanner(data, 1, 0, cfg.train.seed, "random", 96, rank, 2).plan(0) for rank in (0, 1)]
+    for step in range(cfg.train.max_steps):
+        kinds = [bool(data.images_of(plan[step][0][0])) for plan in ranks]
+        if kinds[0] != kinds[1]:
+            return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["zero3_offload", "fsdp"])
+def test_two_ranks_with_text_alone_on_one_equal_one_process(tmp_path, job, engine):
+    config, one = job
+    assert rank_shares_differ_in_kind(config)
+    result = launch(config, tmp_path / "two", "train.micro_batch_size=1", *ENGINES[engine], ranks=2, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not (tmp_path / "two" / "diagnostics" / "report.txt").exists()
+    two = [record["loss"] for record in metrics(tmp_path / "two")]
+    assert two == pytest.approx([record["loss"] for record in metrics(one)], abs=1e-5)
+
+
+STAGE_ONE = """\
+model:
+  path: {language}
+  vision: {{tower_path: {tower}, language: frozen}}
+data: {{train_files: [train.jsonl], template: deepseek_coder, cache_dir: null, max_length: 96, packing: true}}
+train: {{lr: 1.0e-2, warmup_steps: 0, precision: fp32, max_steps: 3}}
+checkpoint: {{every_steps: 0}}
+log: {{progress: lines}}
+"""
+
+STAGE_TWO = """\
+model:
+  path: {stage_one}
+  lora: {{r: 4, alpha: 8, dropout: 0.0}}
+  vision: {{tower: lora, tower_lora: {{r: 2, alpha: 4, dropout: 0.0}}, projector_lr: 2.0e-3}}
+data: {{train_files: [train.jsonl], template: deepseek_coder, cache_dir: null, max_length: 96}}
+train: {{lr: 1.0e-2, warmup_steps: 0, precision: fp32, max_steps: 3}}
+checkpoint: {{every_steps: 0}}
+log: {{progress: lines}}
+"""
+
+
+def language_and_tower(directory: Path) -> tuple[Path, Path]:
+    """A tiny Llama with the byte tokenizer, and a tiny CLIP vision model with its image processor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_byte_tokenizer()
+    torch.manual_seed(0)
+    text = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=len(tokenizer)
+    )
+    LlamaForCausalLM(text).save_pretrained(directory / "llama")
+    tokenizer.save_pretrained(directory / "llama")
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14
+    )
+    CLIPVisionModel(vision).save_pretrained(directory / "clip")
+    CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(
+        directory / "clip"
+    )
+    return directory / "llama", directory / "clip"
+
+
+@pytest.mark.slow
+def test_two_stages_end_in_a_model_transformers_loads(tmp_path):
+    """Stage 1 trains a new projector between a language model and a CLIP tower (all else frozen); stage 2 starts
+    from its checkpoint with LoRA on both; the merged export loads with `AutoModelForImageTextToText` and
+    `AutoProcessor` and gives the trained model's logits on an image prompt."""
+    language, tower = language_and_tower(tmp_path)
+    write_data(tmp_path)
+    (tmp_path / "one.yaml").write_text(STAGE_ONE.format(language=language, tower=tower))
+    first = train_here(tmp_path / "one.yaml", tmp_path / "s1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "vision: tower frozen, projector full, language model frozen" in first.stdout
+    stage_one = tmp_path / "s1" / "checkpoints" / "final"
+    composed = AutoModelForImageTextToText.from_pretrained(stage_one)
+    assert type(composed).__name__ == "LlavaForConditionalGeneration"
+    # Only the projector trained: the language model's weights are the Llama's own.
+    llama = AutoModelForCausalLM.from_pretrained(language)
+    for name, param in llama.model.named_parameters():
+        if name != "embed_tokens.weight":  # grown by the image token's row
+            torch.testing.assert_close(composed.model.language_model.get_parameter(name), param, msg=name)
+
+    (tmp_path / "two.yaml").write_text(STAGE_TWO.format(stage_one=stage_one))
+    second = train_here(tmp_path / "two.yaml", tmp_path / "s2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    export = subprocess.run(
+        [
+            TUNEFORGE,
+            "export",
+            str(tmp_path / "s2" / "checkpoints" / "final"),
+            "--out",
+            str(tmp_path / "out"),
+            "--merge",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert export.returncode == 0, export.stderr[-3000:]
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
+    processor = AutoProcessor.from_pretrained(tmp_path / "out")
+    prompt = "<s>### Instruction:\n<image>\nColour?\n### Response:\n"
+    inputs = processor(text=[prompt], images=[Image.open(tmp_path / "0.png")], return_tensors="pt")
+    trained = PeftModel.from_pretrained(
+        AutoModelForImageTextToText.from_pretrained(stage_one), tmp_path / "s2" / "checkpoints" / "final"
+    )
+    with torch.no_grad():
+        expected = trained(**inputs).logits
+        torch.testing.assert_close(merged(**inputs).logits, expected, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(composed(**inputs).logits, expected, atol=1e-3)  # stage 2 changed the model
+    # The adapter form loads in PEFT; it trains the tower too, which vLLM would not load: export says so.
+    adapter = subprocess.run(
+        [TUNEFORGE, "export", str(tmp_path / "s2" / "checkpoints" / "final"), "--out", str(tmp_path / "adapter")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert adapter.returncode == 0, adapter.stderr[-3000:]
+    assert "also changes the model's tower and projector; vLLM loads LoRA adapters on the language model" in (
+        adapter.stdout
+    )
+    reloaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(stage_one), tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, expected)
