@@ -23,7 +23,7 @@ from tuneforge.data.pipeline import prepare_data
 from tuneforge.data.vision_templates import ProcessorTemplate
 from vlm_models import tiny_llava
 
-from conftest import ENGINES, TUNEFORGE, launch, metrics, train_here
+from conftest import ENGINES, TUNEFORGE, launch, metrics, train_here, tuneforge_here
 
 COLOURS = {"red": (230, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 230), "yellow": (240, 220, 10)}
 CONFIG = """\
@@ -196,3 +196,15 @@ def test_two_stages_end_in_a_model_transformers_loads(tmp_path):
     reloaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(stage_one), tmp_path / "adapter")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**inputs).logits, expected)
+    # Chat reads the image and answers what greedy generation on the same prompt gives.
+    final = tmp_path / "s2" / "checkpoints" / "final"
+    chat = tuneforge_here(
+        "chat", str(final), "--image", str(tmp_path / "0.png"), "--prompt", "Colour?", "--max-new-tokens", "5"
+    )
+    assert chat.returncode == 0, chat.stderr
+    with torch.no_grad():
+        greedy = merged.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=2, pad_token_id=0)
+    expected_reply = processor.tokenizer.decode(greedy[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert chat.stdout.strip() == expected_reply.strip()
+    missing = tuneforge_here("chat", str(final), "--image", str(tmp_path / "none.png"))
+    assert missing.returncode != 0 and "--image: missing image" in missing.stderr

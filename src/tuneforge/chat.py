@@ -7,13 +7,19 @@ from pathlib import Path
 
 from transformers import TextStreamer
 
-from tuneforge.data.conversation import prompt_conversation
-from tuneforge.data.templates import get_template, recorded_template
+from tuneforge.data.conversation import IMAGE_MARK, SampleError, prompt_conversation
+from tuneforge.data.image_tokens import ImageTokens
+from tuneforge.data.images import open_image
+from tuneforge.data.templates import TokenizerTemplate, get_template, recorded_template
+from tuneforge.data.vision_templates import MarkedTemplate, ProcessorTemplate
 from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
 from tuneforge.terminal import safe_text
 from tuneforge.train.checkpoint import CHAT_META
 from tuneforge.trained import is_reward_model, load_trained
+
+PIXEL_LIMIT = 100_000_000
+"""Chat's limit on an image's declared pixels (as `data.image_pixel_limit`'s default)."""
 
 
 class SafeStreamer(TextStreamer):
@@ -32,8 +38,10 @@ def run_chat(
     max_new_tokens: int,
     base: Path | None = None,
     trust_remote_code: bool = False,
+    images: list[Path] | None = None,
 ) -> None:
-    """A full checkpoint, or an adapter on its base model (loaded as in training, k-bit included)."""
+    """A full checkpoint, or an adapter on its base model (loaded as in training, k-bit included). `images`: the
+    first prompt's images (a vision-language model)."""
     if checkpoint.is_dir() and is_reward_model(checkpoint):
         raise UserError(
             f"{checkpoint}: a reward model (train.objective: reward) scores conversations and does not write "
@@ -47,15 +55,38 @@ def run_chat(
     template = get_template(template_name) if template_name else recorded_template(spec, checkpoint / CHAT_META)
     system = system if system is not None else meta.get("system")
     streamer = SafeStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    image_tokens, sources = None, tuple(str(Path(image).resolve()) for image in images or [])
+    if trained.processor is not None:
+        image_tokens = ImageTokens(trained.processor)
+        tokenizer = trained.processor.tokenizer
+        if isinstance(template, TokenizerTemplate):
+            template = ProcessorTemplate(trained.processor)
+        else:
+            template = MarkedTemplate(template, image_tokens.placeholder)
+        for source in sources:
+            try:
+                open_image(source, PIXEL_LIMIT)  # a bad image is said now, before the model answers
+            except SampleError as exc:
+                raise UserError(f"--image: {exc.reason}: {exc.detail}") from None
+    elif sources:
+        raise UserError(f"--image: {checkpoint} is a text model; it reads no images")
 
-    def answer(history: list[tuple[str, str]], user: str) -> str:
-        prompts = [prompt_conversation(history, user)]
-        return generate_replies(model, tokenizer, template, prompts, system, max_new_tokens, streamer=streamer)[0]
+    def answer(history: list[tuple[str, str]], user: str, shown: tuple[str, ...] = ()) -> str:
+        prompts = [prompt_conversation(history, user, images=shown)]
+        return generate_replies(
+            model, tokenizer, template, prompts, system, max_new_tokens, streamer=streamer, images=image_tokens
+        )[0]
 
-    if prompt is not None:
+    if prompt is not None or sources:
+        prompt = prompt if prompt is not None else "Describe the image."
         if not _is_text(prompt):
             raise UserError("--prompt: not UTF-8 text; give the prompt in UTF-8")
-        answer([], prompt)
+        if sources and IMAGE_MARK not in prompt:
+            prompt = f"{IMAGE_MARK}\n" * len(sources) + prompt  # the images before the question, as LLaVA puts them
+        try:
+            answer([], prompt, sources)
+        except SampleError as exc:
+            raise UserError(f"--image: {exc.detail or exc.reason}") from None
         return
     print("Chatting with", checkpoint, "(empty line or Ctrl-D to quit, /reset to start over)")
     history: list[tuple[str, str]] = []

@@ -31,7 +31,8 @@ CHAT_EXAMPLES = """examples:
   tuneforge chat work_dirs/demo/checkpoints/final --prompt "#ff8800"
   tuneforge chat work_dirs/demo/checkpoints/step-500          (interactive)
   tuneforge chat work_dirs/qlora/checkpoints/final            (an adapter: its base is loaded as in training)
-  tuneforge chat exported/merged                              (a model written by tuneforge export --merge)"""
+  tuneforge chat exported/merged                              (a model written by tuneforge export --merge)
+  tuneforge chat work_dirs/demo_vlm/checkpoints/final --image shape.png --prompt "Which colour?"   (a VLM)"""
 
 EXPORT_EXAMPLES = """examples:
   tuneforge export work_dirs/lora/checkpoints/final --out exported/adapter
@@ -132,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=_int_from(1), default=256, help="reply length limit (default 256)")
     chat.add_argument("--base", type=Path, help="base model of an adapter checkpoint (default: as recorded)")
     chat.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
+    chat.add_argument(
+        "--image",
+        type=Path,
+        action="append",
+        help="an image for the prompt (a vision-language model; repeat for several; --prompt defaults to asking "
+        "for a description)",
+    )
 
     export = commands.add_parser(
         "export",
@@ -441,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.max_new_tokens,
                 args.base,
                 args.trust_remote_code,
+                args.image,
             )
         elif args.command == "export":
             from tuneforge.export import export

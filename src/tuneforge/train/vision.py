@@ -67,7 +67,9 @@ def vision_run(cfg: Config, tokenizer, say: Say) -> VisionRun | None:
     if processor.tokenizer.pad_token is None:  # masked out of attention and loss, as for text models
         processor.tokenizer.pad_token = processor.tokenizer.eos_token
     kwargs, note = pixel_budget(cfg.data, processor.image_processor)
-    tokens = ImageTokens(processor, kwargs, cfg.data.image_pixel_limit)
+    if kwargs:  # the image processor's own setting: checkpoints save it, so chat and export resize alike
+        processor.image_processor.size = kwargs["size"]
+    tokens = ImageTokens(processor, {}, cfg.data.image_pixel_limit)
     batches = ImageBatches(tokens, processor.tokenizer.pad_token_id, cfg.data.image_pixel_limit)
     template = vision_template(cfg.data, processor, tokens.placeholder)
     say(
