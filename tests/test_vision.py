@@ -348,3 +348,21 @@ def test_data_check_and_preview_show_images_and_their_tokens(tmp_path, llava_dir
     assert preview.returncode == 0, preview.stderr
     assert f"2 image(s): {tmp_path / '0.png'}, {tmp_path / '2.png'}" in preview.stdout
     assert "<image: 4 tokens>\nand<image: 4 tokens>" in preview.stdout
+
+
+def test_qlora_quantizes_the_language_model_alone(llava_dir):
+    from tuneforge.config.schema import QuantizationConfig
+    from tuneforge.model.quantize import bitsandbytes_config
+
+    settings = QuantizationConfig(bits=4, compute_dtype="float32")
+    model = AutoModelForImageTextToText.from_pretrained(
+        llava_dir, quantization_config=bitsandbytes_config(settings, False), device_map={"": "cpu"}
+    )
+    parts = VisionParts.of(model)
+    quantized = {parts.part_of(name) for name, module in model.named_modules() if "4bit" in type(module).__name__}
+    assert quantized == {"language"}
+    assert all(
+        module.weight.dtype == torch.float32
+        for module in model.get_submodule(parts.tower).modules()
+        if isinstance(module, torch.nn.Linear)
+    )

@@ -50,17 +50,32 @@ def write_data(directory: Path) -> Path:
     return directory / "train.jsonl"
 
 
+QLORA = (
+    "model.lora={r: 4, alpha: 8, dropout: 0.0}",
+    "model.quantization={bits: 4, compute_dtype: float32, skip_modules: [k_proj, v_proj]}",
+)
+
+
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> tuple[Path, Path]:
-    """(config, work dir of its run in one process with the global batch of 2 ranks' micro-batches of 1)."""
+def job(tmp_path_factory):
+    """`job(*overrides)` -> (config, work dir of its run in one process with the global batch of 2 ranks'
+    micro-batches of 1); each set of overrides is trained once."""
     directory = tmp_path_factory.mktemp("vlm-job")
     model = tiny_llava(directory / "model")
     write_data(directory)
     config = directory / "cfg.yaml"
     config.write_text(CONFIG.format(model=model))
-    result = train_here(config, directory / "one", "train.micro_batch_size=2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return config, directory / "one"
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*overrides: str) -> tuple[Path, Path]:
+        if overrides not in runs:
+            work_dir = directory / f"one-{len(runs)}"
+            result = train_here(config, work_dir, "train.micro_batch_size=2", *overrides)
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[overrides] = work_dir
+        return config, runs[overrides]
+
+    return run
 
 
 def rank_shares_differ_in_kind(config: Path) -> bool:
@@ -80,11 +95,18 @@ def rank_shares_differ_in_kind(config: Path) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["zero3_offload", "fsdp"])
-def test_two_ranks_with_text_alone_on_one_equal_one_process(tmp_path, job, engine):
-    config, one = job
+@pytest.mark.parametrize(
+    ("engine", "overrides"),
+    [("zero3_offload", ()), ("fsdp", ()), ("zero3_offload", QLORA)],
+    ids=["zero3", "fsdp", "zero3-qlora"],
+)
+def test_two_ranks_with_text_alone_on_one_equal_one_process(tmp_path, job, engine, overrides):
+    """Without the filler image, ZeRO-3's ranks part at the first such step: one gathers the projector, the other
+    the language model's first layer (the diagnosis names both)."""
+    config, one = job(*overrides)
     assert rank_shares_differ_in_kind(config)
-    result = launch(config, tmp_path / "two", "train.micro_batch_size=1", *ENGINES[engine], ranks=2, timeout=600)
+    extra = ["train.micro_batch_size=1", *overrides, *ENGINES[engine]]
+    result = launch(config, tmp_path / "two", *extra, ranks=2, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert not (tmp_path / "two" / "diagnostics" / "report.txt").exists()
     two = [record["loss"] for record in metrics(tmp_path / "two")]

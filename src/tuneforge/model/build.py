@@ -148,7 +148,7 @@ def _skeleton(path: str, remote: bool, required: bool) -> torch.nn.Module | None
     config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+            return model_class(False, is_vision_config(config)).from_config(config, trust_remote_code=remote)
     except Exception:  # remote code may need real tensors (a custom init): then the shapes are unknown
         if required:
             raise

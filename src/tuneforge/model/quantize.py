@@ -30,6 +30,11 @@ def storage_dtype(settings: QuantizationConfig, sharded_engine: bool) -> torch.d
     return DTYPES[settings.compute_dtype] if sharded_engine else torch.uint8
 
 
+VISION_PARTS = [r"(?:.*\.)?vision_tower", r"(?:.*\.)?multi_modal_projector", r"(?:.*\.)?visual"]
+"""A vision-language model's tower and projector (Qwen's `visual` holds its projector), at any depth: QLoRA
+quantizes the language model only; the tower stays in 16 bits, as its adapters or frozen features need."""
+
+
 def bitsandbytes_config(settings: QuantizationConfig, sharded_engine: bool):
     try:
         import bitsandbytes  # noqa: F401
@@ -38,7 +43,7 @@ def bitsandbytes_config(settings: QuantizationConfig, sharded_engine: bool):
         raise UserError(
             "model.quantization needs bitsandbytes: pip install 'tuneforge[qlora]' (or pip install bitsandbytes)"
         ) from None
-    skip = [*OUTPUT_HEADS, *settings.skip_modules]
+    skip = [*OUTPUT_HEADS, *VISION_PARTS, *settings.skip_modules]
     if settings.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     return BitsAndBytesConfig(

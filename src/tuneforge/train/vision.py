@@ -46,8 +46,6 @@ def refusals(cfg: Config) -> list[str]:
     problems = []
     if cfg.paired:
         problems.append(f"train.objective={cfg.train.objective}: vision-language models train with sft for now")
-    if cfg.model.quantization is not None:
-        problems.append("model.quantization: QLoRA of vision-language models is not supported yet; use LoRA")
     if cfg.parallel.sequence_parallel > 1:
         problems.append("parallel.sequence_parallel: vision-language rows are not split across ranks; set it to 1")
     vision = cfg.model.vision
