@@ -366,3 +366,34 @@ def test_qlora_quantizes_the_language_model_alone(llava_dir):
         for module in model.get_submodule(parts.tower).modules()
         if isinstance(module, torch.nn.Linear)
     )
+
+
+def test_a_moe_language_model_gets_its_experts_adapters_and_balance_loss(tmp_path):
+    """Qwen3-VL-MoE: the MoE map, adapters on the stacked experts (grouped low-rank products) and the router
+    balance loss are the language model's, as for a text MoE; a step trains them."""
+    from conftest import accumulate, single_engine
+    from tuneforge.data.batching import collate
+    from tuneforge.data.byte_tokenizer import build_byte_tokenizer
+    from tuneforge.data.tokenize import TokenizedData
+    from tuneforge.model.fresh_vision import fresh_vision_config, vision_tokenizer
+    from tuneforge.model.router_balance import attach_router_balance
+
+    tokenizer = vision_tokenizer(build_byte_tokenizer(), "qwen3_vl_moe")
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        fresh_vision_config("qwen3_vl_moe", TINY_SIZES["qwen3_vl_moe"], tokenizer)
+    )
+    moe = find_moe(model)
+    assert len(moe) == 2
+    cfg = ModelConfig(architecture="qwen3_vl_moe", tokenizer="bytes", lora={"r": 4, "experts": True, "dropout": 0.1})
+    model, notes = make_trainable(model, cfg, False, moe)
+    assert "experts.gate_up_proj x2" in notes[0] and "grouped low-rank products" in notes[0]
+    balance, note = attach_router_balance(moe, model.config, 0.01)
+    assert "over 2 MoE layers, top-2" in note
+    ids = tokenizer("say something about experts", add_special_tokens=False)["input_ids"]
+    data = TokenizedData.from_samples([(ids, ids, "a")])
+    engine = single_engine(model)
+    accumulate(engine, [collate(data, [[0]], tokenizer.pad_token_id, False)], balance=balance)
+    # B starts at zero, so A's first gradients are zero; every expert adapter's B trains from the first step.
+    expert_grads = [p.grad for n, p in model.named_parameters() if "experts" in n and "lora_B" in n]
+    assert len(expert_grads) == 4 and all(g is not None and g.abs().sum() > 0 for g in expert_grads)

@@ -12,7 +12,7 @@ import contextlib
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -164,22 +164,40 @@ def grouped_expert_layers(
     return layers, note
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings, moe: MoEMap) -> tuple[nn.Module, str]:
+@dataclass(frozen=True)
+class MoreAdapters:
+    """What a vision-language model adds to its language model's adapters: where those may go (`within`, named
+    by `where`), adapters on more modules with their own rank and alpha (PEFT's per-module patterns), and
+    modules trained whole beside them."""
+
+    within: Callable[[str], bool]
+    where: str
+    modules: list[str] = field(default_factory=list)
+    ranks: dict[str, int] = field(default_factory=dict)
+    alphas: dict[str, float] = field(default_factory=dict)
+    saved: list[str] = field(default_factory=list)
+
+
+def apply_lora(
+    model: nn.Module, settings: LoraSettings, moe: MoEMap, more: MoreAdapters | None = None
+) -> tuple[nn.Module, str]:
     """The PEFT model with adapters on the resolved targets, and a line saying where they went."""
     from peft import LoraConfig, get_peft_model
 
-    targets = resolve_lora_targets(model, settings, moe)
+    targets = resolve_lora_targets(model, settings, moe, more.within if more else None, more.where if more else "")
     custom_layers, grouped_note = grouped_expert_layers(model, settings, targets)
     # A reward model's new score head trains whole beside the adapters, and PEFT saves it with them.
     scored = has_score_head(model)
-    modules_to_save = [*settings.modules_to_save, *(["score"] if scored else [])]
+    modules_to_save = [*settings.modules_to_save, *(["score"] if scored else []), *(more.saved if more else [])]
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=targets.modules,
+        target_modules=[*targets.modules, *(more.modules if more else [])],
         target_parameters=targets.parameters or None,
         modules_to_save=modules_to_save or None,
+        rank_pattern=more.ranks if more else {},
+        alpha_pattern=more.alphas if more else {},
         use_dora=settings.use_dora,
         use_rslora=settings.use_rslora,
         task_type="SEQ_CLS" if scored else "CAUSAL_LM",

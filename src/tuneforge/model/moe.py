@@ -172,6 +172,8 @@ def find_moe(model: nn.Module) -> MoEMap:
     """The MoE map of a base model (plain Hugging Face model, loaded or on the meta device). Call it before
     adapters wrap the experts."""
     config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # a vision-language model's experts are its language model's
     top_k = getattr(config, "num_experts_per_tok", None)
     blocks = []
     for name, module in model.named_modules():

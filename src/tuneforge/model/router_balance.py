@@ -132,6 +132,8 @@ def attach_router_balance(
     chosen. `config`: the model config. `requested_coef` None takes the model config's `router_aux_loss_coef`,
     else DEFAULT_COEF; 0 turns the loss off."""
     blocks = list(moe)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # a vision-language model's routers are its language model's
     if not blocks:
         if requested_coef:
             raise UserError("train.router_aux_loss_coef: the model has no MoE layers; remove the setting")

@@ -15,9 +15,8 @@ from torch import nn
 
 from tuneforge.config.schema import LoraSettings, ModelConfig, VisionSettings
 from tuneforge.errors import UserError
-from tuneforge.model.adapters import exact_targets, freeze_parameters, resolve_lora_targets
+from tuneforge.model.adapters import MoreAdapters, apply_lora, freeze_parameters, resolve_lora_targets
 from tuneforge.model.moe import MoEMap
-from tuneforge.model.quantized_experts import plain_for_peft
 from tuneforge.model.vision import LANGUAGE, PROJECTOR, TOWER, VisionParts
 
 LR_SCALE = "lr_scale"
@@ -58,43 +57,26 @@ def _freeze_parts(model: nn.Module, cfg: ModelConfig, vision: VisionSettings, pa
 def _with_adapters(
     model: nn.Module, lora: LoraSettings, vision: VisionSettings, moe: MoEMap, parts: VisionParts
 ) -> tuple[nn.Module, str]:
-    from peft import LoraConfig, get_peft_model
-
     def in_part(part: str):
         return lambda name: parts.part_of(name) == part
 
-    language = resolve_lora_targets(model, lora, moe, in_part(LANGUAGE), " (its language model)")
-    modules, parameters = list(language.modules), list(language.parameters)
-    ranks: dict[str, int] = {}
-    alphas: dict[str, float] = {}
+    more = MoreAdapters(in_part(LANGUAGE), " (its language model)")
     if vision.tower == "lora":
         tower_lora = vision.tower_lora or lora
         tower = resolve_lora_targets(model, tower_lora, MoEMap(), in_part(TOWER), " (its vision tower)")
-        modules += tower.modules
+        more.modules.extend(tower.modules)
         for name in tower.modules:  # PEFT's per-module patterns: matched at the end of a module's path
-            ranks[re.escape(name)] = tower_lora.r
-            alphas[re.escape(name)] = tower_lora.alpha
-    saved = [*lora.modules_to_save]
+            more.ranks[re.escape(name)] = tower_lora.r
+            more.alphas[re.escape(name)] = tower_lora.alpha
     if vision.projector == "full":
-        saved.append(parts.projector)
+        more.saved.append(parts.projector)
     if vision.tower == "full":
-        saved.append(parts.tower)
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=modules,
-        target_parameters=parameters or None,
-        modules_to_save=saved or None,
-        rank_pattern=ranks,
-        alpha_pattern=alphas,
-        use_dora=lora.use_dora,
-        use_rslora=lora.use_rslora,
-        task_type="CAUSAL_LM",
+        more.saved.append(parts.tower)
+    peft_model, note = apply_lora(model, lora, moe, more)
+    tower_note = (
+        f"; tower adapters r={(vision.tower_lora or lora).r} on {len(more.modules)} modules" if more.modules else ""
     )
-    with exact_targets(model), plain_for_peft(model):
-        peft_model = get_peft_model(model, config)
-    return peft_model, f"vision: {_describe(vision)}; lora on the language model: r={lora.r}, {language.describe()}"
+    return peft_model, f"vision: {_describe(vision)}; language model {note}{tower_note}"
 
 
 def _describe(vision: VisionSettings) -> str:
