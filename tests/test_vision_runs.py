@@ -230,3 +230,17 @@ def test_two_stages_end_in_a_model_transformers_loads(tmp_path):
     assert chat.stdout.strip() == expected_reply.strip()
     missing = tuneforge_here("chat", str(final), "--image", str(tmp_path / "none.png"))
     assert missing.returncode != 0 and "--image: missing image" in missing.stderr
+
+
+@pytest.mark.slow
+def test_killed_then_resumed_equals_uninterrupted(tmp_path, job):
+    """The data position of a vision-language run (images included) resumes exactly: the same losses as a run
+    never stopped."""
+    config, whole = job("checkpoint.every_steps=2")
+    extra = ("train.micro_batch_size=2", "checkpoint.every_steps=2")
+    killed = launch(config, tmp_path / "run", *extra, fault="kill:0:4")
+    assert killed.returncode != 0
+    resumed = launch(config, tmp_path / "run", *extra, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in metrics(whole)]

@@ -115,11 +115,13 @@ def build_processor(cfg: ModelConfig, tokenizer: Any, model_config: PretrainedCo
 
     try:
         processor = AutoProcessor.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UserError(
-            f"model.path: {cfg.path} has no usable processor for its images ({exc}); a vision-language "
-            "checkpoint needs its preprocessor_config.json and processor files"
-        ) from None
+    except (OSError, ValueError, ImportError, AttributeError) as exc:
+        hint = (
+            "; its processor needs torchvision: pip install torchvision (the build matching your torch)"
+            if "torchvision" in str(exc).lower() or "video" in str(exc).lower()
+            else "; a vision-language checkpoint needs its preprocessor_config.json and processor files"
+        )
+        raise UserError(f"model.path: {cfg.path} has no usable processor for its images ({exc}){hint}") from None
     if not hasattr(processor, "image_processor"):
         raise UserError(f"model.path: the processor of {cfg.path} has no image processor")
     return processor
