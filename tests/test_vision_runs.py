@@ -28,11 +28,13 @@ from conftest import ENGINES, TUNEFORGE, launch, metrics, train_here, tuneforge_
 COLOURS = {"red": (230, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 230), "yellow": (240, 220, 10)}
 CONFIG = """\
 model: {{path: {model}}}
-data: {{train_files: [train.jsonl], cache_dir: null, group_by_length: false, max_length: 96}}
+data: {{train_files: [train.jsonl], cache_dir: null, group_by_length: false, max_length: 96, validation_fraction: 0.2}}
 train: {{lr: 1.0e-3, warmup_steps: 1, precision: fp32, max_steps: 4, max_grad_norm: 1.0}}
+eval: {{every_steps: 2, sample_prompts: ["say 3"], sample_every_steps: 2, sample_max_new_tokens: 4}}
 checkpoint: {{every_steps: 0}}
 log: {{progress: lines}}
 """
+"""Validation (whose rows differ per rank too) and sample chats run at steps 2 and 4."""
 
 
 def write_data(directory: Path) -> Path:
@@ -97,8 +99,8 @@ def rank_shares_differ_in_kind(config: Path) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("engine", "overrides"),
-    [("zero3_offload", ()), ("fsdp", ()), ("zero3_offload", QLORA)],
-    ids=["zero3", "fsdp", "zero3-qlora"],
+    [("zero3_offload", ()), ("fsdp", ()), ("ddp", ()), ("zero3_offload", QLORA)],
+    ids=["zero3", "fsdp", "ddp", "zero3-qlora"],
 )
 def test_two_ranks_with_text_alone_on_one_equal_one_process(tmp_path, job, engine, overrides):
     """Without the filler image, ZeRO-3's ranks part at the first such step: one gathers the projector, the other
@@ -109,8 +111,12 @@ def test_two_ranks_with_text_alone_on_one_equal_one_process(tmp_path, job, engin
     result = launch(config, tmp_path / "two", *extra, ranks=2, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert not (tmp_path / "two" / "diagnostics" / "report.txt").exists()
-    two = [record["loss"] for record in metrics(tmp_path / "two")]
-    assert two == pytest.approx([record["loss"] for record in metrics(one)], abs=1e-5)
+    two, whole = metrics(tmp_path / "two"), metrics(one)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in whole], abs=1e-5)
+    validated = [r["val_loss"] for r in two if "val_loss" in r]
+    assert len(validated) == 2 and validated == pytest.approx(
+        [r["val_loss"] for r in whole if "val_loss" in r], abs=1e-5
+    )
 
 
 STAGE_ONE = """\
