@@ -59,7 +59,7 @@ def test_each_image_shows_one_shape_in_the_answer_colour(generator):
                 pixels = np.asarray(picture.convert("RGB"))
             assert pixels.shape == (side, side, 3)
             colours, counts = np.unique(pixels.reshape(-1, 3), axis=0, return_counts=True)
-            found = {tuple(int(v) for v in c): int(n) for c, n in zip(colours, counts)}
+            found = {tuple(int(v) for v in c): int(n) for c, n in zip(colours, counts, strict=True)}
             shape = tuple(int(answer[i : i + 2], 16) for i in (1, 3, 5))
             assert len(found) == 2 and shape in found and (found.keys() - {shape}) <= backgrounds, (image, found)
             assert found[shape] >= 20, (image, found)  # a visible shape, not a stray pixel

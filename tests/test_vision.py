@@ -397,3 +397,19 @@ def test_a_moe_language_model_gets_its_experts_adapters_and_balance_loss(tmp_pat
     # B starts at zero, so A's first gradients are zero; every expert adapter's B trains from the first step.
     expert_grads = [p.grad for n, p in model.named_parameters() if "experts" in n and "lora_B" in n]
     assert len(expert_grads) == 4 and all(g is not None and g.abs().sum() > 0 for g in expert_grads)
+
+
+def test_the_cache_key_follows_the_processors_rule(llava_dir):
+    """Two LLaVA processors with the same image processor but other patch sizes give other tokens per image: the
+    prepared data of one is never reused for the other."""
+    import copy
+
+    from tuneforge.data.byte_tokenizer import build_byte_tokenizer
+    from tuneforge.model.fresh_vision import fresh_vlm
+
+    size = copy.deepcopy(TINY_SIZES["llava"])
+    _, coarse = fresh_vlm("llava", size, build_byte_tokenizer())
+    size["vision_config"]["patch_size"] = 7
+    _, fine = fresh_vlm("llava", size, build_byte_tokenizer())
+    assert coarse.image_processor.to_dict() == fine.image_processor.to_dict()
+    assert ImageTokens(coarse).fingerprint() != ImageTokens(fine).fingerprint()

@@ -201,7 +201,7 @@ def test_two_stages_end_in_a_model_transformers_loads(tmp_path):
     assert export.returncode == 0, export.stderr[-3000:]
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
     processor = AutoProcessor.from_pretrained(tmp_path / "out")
-    prompt = "<s>### Instruction:\n<image>\nColour?\n### Response:\n"
+    prompt = "<s>### Instruction:\n<image>Colour?\n### Response:\n"
     inputs = processor(text=[prompt], images=[Image.open(tmp_path / "0.png")], return_tensors="pt")
     trained = PeftModel.from_pretrained(
         AutoModelForImageTextToText.from_pretrained(stage_one), tmp_path / "s2" / "checkpoints" / "final"

@@ -82,7 +82,8 @@ def run_chat(
         if not _is_text(prompt):
             raise UserError("--prompt: not UTF-8 text; give the prompt in UTF-8")
         if sources and IMAGE_MARK not in prompt:
-            prompt = f"{IMAGE_MARK}\n" * len(sources) + prompt  # the images before the question, as LLaVA puts them
+            # The images before the question, as a chat's content parts [image, text] put them.
+            prompt = IMAGE_MARK * len(sources) + prompt
         try:
             answer([], prompt, sources)
         except SampleError as exc:

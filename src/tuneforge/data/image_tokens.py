@@ -20,11 +20,13 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tuneforge.data.conversation import Conversation, SampleError
-from tuneforge.data.images import open_image
+from tuneforge.data.images import blank_image, open_image
 from tuneforge.data.templates import IGNORE_INDEX, Encoded
 from tuneforge.errors import UserError
 
 PLACEHOLDER_MISMATCH = "image placeholder mismatch"
+PROBE_SIZES = ((37, 23), (640, 480))
+"""Images whose tokens stand for the processor's expansion rule in the data cache's key."""
 
 
 @dataclass
@@ -108,7 +110,9 @@ class ImageTokens:
         the placeholder."""
         settings = self.processor.image_processor.to_dict()
         settings.pop("processor_class", None)
+        # The processor's own rule (LLaVA's patch size, its class token) shows in the tokens of probe images.
+        probes = [self.expansion(blank_image(*size)) for size in PROBE_SIZES]
         text = json.dumps(
-            [settings, self.image_kwargs, self.placeholder, self.pixel_limit], sort_keys=True, default=str
+            [settings, self.image_kwargs, self.placeholder, self.pixel_limit, probes], sort_keys=True, default=str
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
