@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tuneforge.cli import main
 from tuneforge.config import load_config
 from tuneforge.config.schema import Config
-from tuneforge.doctor import PASS, WARN, check_estimate, read_model_config
+from tuneforge.data.byte_tokenizer import build_byte_tokenizer
+from tuneforge.doctor import PASS, WARN, check_estimate, model_skeleton, read_model_config
 from tuneforge.engines import engine_traits
 from tuneforge.estimate import ACCELERATORS, format_estimate, kbit_bytes
 from tuneforge.estimate import estimate as estimate_for_traits
+from tuneforge.estimate.shapes import count_label, model_shapes
 from tuneforge.estimate.timing import NVLINK_BYTES_PER_S
+from tuneforge.model.fresh_vision import fresh_vision_config, vision_tokenizer
 from tuneforge.model.moe import find_moe
 from tuneforge.model.quantize import quantized_linears
+from tuneforge.model.vision import VisionParts
+from tuneforge.model.vision_training import make_vision_trainable
 from tuneforge.recipes import MODEL_SHAPES, RECIPES
+from vlm_models import TINY_SIZES
 
 from conftest import REPO
 
@@ -51,7 +57,8 @@ def config(**sections) -> Config:
     """A job for a GPU: `train.precision: auto` is bf16 there, as the doctor resolves it before sizing."""
     model = {"path": "some/model", "dtype": "bfloat16", **sections.pop("model", {})}
     train = {"precision": "bf16", **sections.pop("train", {})}
-    return Config.model_validate({"model": model, "data": {"train_files": ["x.jsonl"]}, "train": train, **sections})
+    data = {"train_files": ["x.jsonl"], **sections.pop("data", {})}
+    return Config.model_validate({"model": model, "data": data, "train": train, **sections})
 
 
 def estimate(cfg: Config, model, engine: str, world_size: int, accelerator, **kwargs):
@@ -394,3 +401,136 @@ def test_a_precomputed_reference_costs_one_forward_over_the_pairs_before_the_fir
     assert what == f"the reference's log-probabilities of {pairs:,} pairs (one forward pass, rows counted full)"
     assert seconds == pytest.approx(10 * dict((n, s) for n, s, _ in copy.times)["reference forward"])
     assert copy.before_training is None and "before the first step: the reference's" in format_estimate(table)
+
+
+# Vision-language models: the published configs of the VLM recipes, built as training builds them.
+VLM_SHAPES = {  # name: (published parameter count, the tower and projector's module paths)
+    "qwen2.5-vl-7b": (8.29e9, ("model.visual.",)),
+    "qwen3-vl-30b-a3b": (31.07e9, ("model.visual.",)),
+    "internvl3-8b": (7.94e9, ("model.vision_tower.", "model.multi_modal_projector.")),
+    "gemma-3-12b": (12.19e9, ("model.vision_tower.", "model.multi_modal_projector.")),
+    "llava-1.5-7b": (7.06e9, ("model.vision_tower.", "model.multi_modal_projector.")),
+}
+
+
+def vlm_skeleton(name: str):
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(read_model_config(MODELS / f"{name}.config.json"))
+
+
+@pytest.fixture(scope="module")
+def qwen_vl():
+    return vlm_skeleton("qwen2.5-vl-7b")
+
+
+@pytest.mark.parametrize("name", list(VLM_SHAPES))
+def test_a_vlm_estimate_counts_the_tower_and_projector_of_the_model_its_published_config_builds(name):
+    """The estimate's parameters add up to the real model's, built from the published config on the meta device
+    as training builds it: the language model's shapes from `text_config`, the tower and projector beside it (the
+    doctor builds the same class from the shapes file)."""
+    model = vlm_skeleton(name)
+    published, vision_paths = VLM_SHAPES[name]
+    real = sum(p.numel() for p in model.parameters())  # a tied head counted once, as it is stored
+    real_vision = sum(p.numel() for n, p in model.named_parameters() if n.startswith(vision_paths))
+    assert real == pytest.approx(published, rel=0.005)
+
+    cfg = config(model=LORA)  # adapters on the language model; the tower frozen, the projector trained whole
+    est = estimate(cfg, model, "single", 1, H100)
+    s = model_shapes(cfg, model, find_moe(model), 2)
+    assert s.vision is not None and s.vision.tower + s.vision.projector == real_vision
+    assert s.frozen == real  # the whole base, the tower and projector included, stays in memory
+    assert row(est, "base weights").gpu == pytest.approx(real * 2)
+    text = model.config.get_text_config()
+    assert (s.hidden, s.layers) == (text.hidden_size, text.num_hidden_layers)
+    # The projector trains whole beside the adapters (PEFT's modules_to_save: a trained copy).
+    assert s.vision.projector_trainable == s.vision.projector and s.trainable > s.vision.projector
+    assert f"vision: tower {count_label(s.vision.tower)} (frozen)" in format_estimate(est)
+
+    skeleton = model_skeleton(load_config(RECIPES / "llama-3-8b-lora-1gpu.yaml"), None, MODELS / f"{name}.config.json")
+    assert type(skeleton) is type(model)  # the doctor's skeleton: the vision-language class, not a text model
+
+
+def test_a_vlms_language_model_takes_the_adapters_its_text_model_would(qwen_vl):
+    """Qwen2.5-VL-7B's language model is Qwen2.5-7B: the same LoRA targets, so the same trainable count, whatever
+    the tower holds; a frozen tower and projector add nothing to train, so no gradients or optimizer state; and
+    the same weights in 4 bits under QLoRA."""
+    cfg = config(model={**LORA, "vision": {"tower": "frozen", "projector": "frozen"}})
+    qwen = skeleton("qwen2.5-7b")
+    text = estimate(config(model=LORA), qwen, "single", 1, H100)
+    vlm = estimate(cfg, qwen_vl, "single", 1, H100)
+    for part in ("trainable", "gradients", "optimizer"):
+        assert row(vlm, part).gpu == pytest.approx(row(text, part).gpu)
+    # QLoRA quantizes the language model's linear layers alone: the tower and projector stay in 16 bits.
+    qlora = config(model={**LORA, "quantization": {"bits": 4}})
+    quantized = model_shapes(qlora, qwen_vl, find_moe(qwen_vl), 2).quantized
+    assert quantized == model_shapes(qlora, qwen, find_moe(qwen), 2).quantized
+    # Adapters on the tower too (tower: lora) train more; a tower trained in full trains all of it.
+    tower_lora = model_shapes(config(model={**LORA, "vision": {"tower": "lora"}}), qwen_vl, find_moe(qwen_vl), 2)
+    tower_full = model_shapes(config(model={"vision": {"tower": "full"}}), qwen_vl, find_moe(qwen_vl), 2)
+    assert 0 < tower_lora.vision.tower_trainable < tower_lora.vision.tower == tower_full.vision.tower_trainable
+
+
+def test_projector_pretraining_trains_the_projector_alone():
+    """LLaVA's stage 1 (`language: frozen`, no adapters): the projector is all that trains, so gradients and
+    optimizer state are the projector's; the frozen language model still passes gradients back, so its
+    activations stay."""
+    llava = vlm_skeleton("llava-1.5-7b")
+    cfg = config(model={"vision": {"tower": "frozen", "projector": "full", "language": "frozen"}})
+    s = model_shapes(cfg, llava, find_moe(llava), 2)
+    projector = sum(p.numel() for p in llava.model.multi_modal_projector.parameters())
+    assert s.trainable == projector and s.frozen == sum(p.numel() for p in llava.parameters()) - projector
+    assert s.vision.language == "frozen" and s.active_trainable == 0
+    est = estimate(cfg, llava, "single", 1, H100)
+    assert row(est, "gradients").gpu == pytest.approx(projector * 2)  # 16-bit, as full fine-tuning keeps them
+    assert row(est, "activations").gpu > 0
+
+
+def test_image_tokens_raise_the_activation_and_time_estimate(qwen_vl):
+    """Qwen2.5-VL's tokens per image follow `data.image_max_pixels` (one per 28 x 28 pixels, 4 patches each):
+    bigger images keep more activations in a trained tower and projector, and cost the tower more time. A frozen
+    tower keeps none; LLaVA's count is fixed by its CLIP grid."""
+
+    def run(pixels: int, tower: str):
+        cfg = config(model={"vision": {"tower": tower}}, data={"image_max_pixels": pixels, "packing": False})
+        return estimate(cfg, qwen_vl, "single", 1, H100)
+
+    small, large = run(256 * 784, "full"), run(1024 * 784, "full")
+    assert "1 x 1,024 tokens, 4,096 patches" in row(large, "images").label
+    assert row(large, "images").gpu > 3.5 * row(small, "images").gpu > 0
+    vision_s = {
+        name: dict((n, s) for n, s, _ in est.times)["vision tower"] for name, est in (("s", small), ("l", large))
+    }
+    assert vision_s["l"] > 3.5 * vision_s["s"] and large.step_s > small.step_s
+    frozen = run(1024 * 784, "frozen")  # the projector still trains: only its activations stay
+    assert row(frozen, "images").gpu < row(large, "images").gpu / 10
+    # No budget: a quarter of max_length per image, so 4 images to a packed row of 2048 tokens.
+    packed = format_estimate(estimate(config(data={"packing": True}), qwen_vl, "single", 1, H100))
+    assert "512 tokens per image" in packed and "4 images per packed row" in packed
+
+    llava = vlm_skeleton("llava-1.5-7b")
+    s = model_shapes(config(), llava, find_moe(llava), 2)
+    assert (s.vision.image.tokens, s.vision.image.patches) == (576, 577)  # 24 x 24 patches, CLIP's class token
+
+
+VISION_SETUPS = [
+    {},  # the defaults: tower frozen, projector and language model trained in full
+    {"vision": {"language": "frozen"}},  # projector pretraining
+    {"lora": {"r": 4}},  # adapters on the language model, the projector trained whole beside them
+    {"lora": {"r": 4}, "vision": {"tower": "lora", "projector": "frozen"}},
+    {"lora": {"r": 4}, "vision": {"tower": "full", "projector": "frozen"}},  # Qwen's merger trains with its tower
+]
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "qwen3_vl_moe", "gemma3", "internvl"])
+def test_the_estimate_trains_what_vision_language_training_trains(family):
+    """For each family's tiny model and each way of training its parts, the trainable count that sizes the
+    gradients and optimizer state is what `make_vision_trainable` leaves requiring gradients."""
+    tokenizer = vision_tokenizer(build_byte_tokenizer(), family)
+    fresh = fresh_vision_config(family, TINY_SIZES[family], tokenizer)
+    for setup in VISION_SETUPS:
+        cfg = config(model={"path": None, "architecture": family, "tokenizer": "bytes", **setup})
+        model = AutoModelForImageTextToText.from_config(fresh)
+        moe = find_moe(model)
+        s = model_shapes(cfg, model, moe, 2)
+        trained, _ = make_vision_trainable(model, cfg.model, moe, VisionParts.of(model))
+        assert s.trainable == sum(p.numel() for p in trained.parameters() if p.requires_grad), setup

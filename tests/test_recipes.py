@@ -8,6 +8,7 @@ import pytest
 
 from tuneforge.cli import GPU_CHOICES, main
 from tuneforge.config import load_config
+from tuneforge.config.data_sections import TemplateConfig
 from tuneforge.doctor import FAIL, PASS
 from tuneforge.doctor_report import doctor_checks
 from tuneforge.recipes import all_recipes
@@ -29,6 +30,13 @@ def test_the_catalogue_covers_the_models_people_train():
         "llama-3-8b-dpo-lora-1gpu",
         "llama-3-8b-dpo-full-fsdp-8gpu",
         "qwen3-30b-a3b-full-ep-8gpu",  # expert parallelism
+        # vision-language models
+        "qwen2.5-vl-7b-lora-1gpu",
+        "qwen3-vl-30b-a3b-lora-fsdp-8gpu",
+        "internvl3-8b-lora-1gpu",
+        "gemma-3-12b-lora-1gpu",
+        "llava-1.5-7b-stage1-1gpu",
+        "llava-1.5-7b-stage2-lora-1gpu",
     } <= names
 
 
@@ -84,3 +92,32 @@ def test_recipes_copy_never_writes_through_a_symbolic_link(tmp_path, capsys, mon
     assert "link.yaml is a symbolic link" in capsys.readouterr().err and kept.read_text() == "mine\n"
     assert main(["recipes", "copy", "llama-3-8b-lora-1gpu", "kept.yaml"]) == 2  # a regular file: never overwritten
     assert "kept.yaml exists" in capsys.readouterr().err and kept.read_text() == "mine\n"
+
+
+def test_vision_language_recipes_are_sized_with_their_tower_and_images(capsys):
+    """The doctor builds a recipe's vision-language model from its published shapes and counts the tower and the
+    images: Qwen2.5-VL's pixel budget gives 1,280 tokens (5,120 patches) an image, 3 to a packed row."""
+    assert main(["recipes", "show", "qwen2.5-vl-7b-lora-1gpu", "--gpu", "h100"]) == 0
+    shown = capsys.readouterr().out
+    assert "PASS  memory estimate" in shown
+    assert (
+        "vision: tower 0.63B (frozen), projector 44.6M (frozen), language model lora; 1,280 tokens per image" in shown
+    )
+    assert "images: 6 x 1,280 tokens, 5,120 patches" in shown and "vision tower" in shown
+
+    recipes = {recipe.name: load_config(recipe.path) for recipe in RECIPES}
+    assert not recipes["gemma-3-12b-lora-1gpu"].data.packing  # Gemma 3's image tokens attend both ways
+    moe = recipes["qwen3-vl-30b-a3b-lora-fsdp-8gpu"]
+    assert moe.parallel.engine == "fsdp" and moe.parallel.moe_safety and moe.model.lora.experts is False
+    stage1, stage2 = recipes["llava-1.5-7b-stage1-1gpu"], recipes["llava-1.5-7b-stage2-lora-1gpu"]
+    vision = stage1.model.vision
+    assert stage1.model.path == "lmsys/vicuna-7b-v1.5" and vision.tower_path == "openai/clip-vit-large-patch14-336"
+    assert stage1.model.lora is None and vision.language == "frozen" and vision.projector == "full"
+    assert stage1.data.image_root.endswith("LLaVA-Pretrain/images")
+    assert stage1.data.train_files[0].endswith("blip_laion_cc_sbu_558k.json")
+    assert stage2.model.path == "work_dirs/llava-1.5-7b-stage1-1gpu/checkpoints/final"
+    assert stage2.model.lora.r == 128 and stage2.data.train_files[0].endswith("llava_v1_5_mix665k.json")
+    for stage in (stage1, stage2):  # Vicuna v1's format, inline: "<system> USER: ... ASSISTANT: ...</s>"
+        assert isinstance(stage.data.template, TemplateConfig)
+        assert stage.data.template.instruction == "USER: {input} ASSISTANT:"
+        assert stage.data.system.startswith("A chat between a curious user and an artificial intelligence assistant")

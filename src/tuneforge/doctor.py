@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedTokenizerBase
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from tuneforge.config.schema import Config, LoraSettings
@@ -31,7 +31,7 @@ from tuneforge.model.moe import MoEBlock, MoEMap, find_moe
 from tuneforge.model.precision import choose_precision, native_cpu_half_precision, with_precision
 from tuneforge.model.quantize import quantized_linears
 from tuneforge.model.quantized_experts import quantizable_experts, stacked_numel
-from tuneforge.model.vision import is_vision_model
+from tuneforge.model.vision import is_vision_config, is_vision_model
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -69,6 +69,7 @@ def model_skeleton(
     """The model's modules with meta tensors (shapes only), or None when its config cannot be read.
     `model_config` (a local config.json) replaces reading the config from `model.path`."""
     from tuneforge.model.build import _fresh_config, check_model_code
+    from tuneforge.model.compose import composed_config
 
     if model_config is None:
         check_model_code(cfg.model)  # a folder whose code would run: refused in one line, as train refuses it
@@ -79,10 +80,17 @@ def model_skeleton(
             if tokenizer is None:
                 return None
             config = _fresh_config(cfg.model, tokenizer)
+        elif cfg.model.vision is not None and cfg.model.vision.tower_path is not None:  # LLaVA from two checkpoints
+            if tokenizer is None:
+                return None
+            config = composed_config(
+                cfg.model.path, cfg.model.vision.tower_path, tokenizer, cfg.model.trust_remote_code
+            )
         else:
             config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+            return auto.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError):
         return None
 

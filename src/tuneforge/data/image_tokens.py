@@ -25,6 +25,8 @@ from tuneforge.data.templates import IGNORE_INDEX, Encoded
 from tuneforge.errors import UserError
 
 PLACEHOLDER_MISMATCH = "image placeholder mismatch"
+IMAGE_SHARE_OF_ROW = 4
+"""The default pixel budget keeps one image within 1/4 of `data.max_length` tokens."""
 PROBE_SIZES = ((37, 23), (640, 480))
 """Images whose tokens stand for the processor's expansion rule in the data cache's key."""
 
@@ -50,6 +52,11 @@ class ImageTokens:
             )
         self.placeholder = token
         self.placeholder_id = ids[0]
+        # The processor's own defaults for its image processor (InternVL crops tiles): what its own call uses, so
+        # the tokens here are what a model served with this processor sees.
+        defaults = getattr(type(self.processor), "images_kwargs", None)
+        defaults = {k: v for k, v in defaults.items() if k != "return_tensors"} if isinstance(defaults, dict) else {}
+        self.image_kwargs = {**defaults, **self.image_kwargs}
         # The id standing for each token of an image's features: the placeholder itself, except where the
         # placeholder opens an image (Gemma 3's begin-of-image) and the tokenizer names the feature token.
         named = getattr(tokenizer, "image_token", None)

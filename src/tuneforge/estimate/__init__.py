@@ -6,7 +6,8 @@ would show. The model is a skeleton on the meta device, so nothing is downloaded
 does (sharding, casting, where the loss runs) comes from its `EngineTraits`.
 
 - `hardware`: the accelerator table (also the step log's MFU peaks);
-- `shapes`: parameters and activations by kind, from the skeleton and its MoE map;
+- `shapes`: parameters and activations by kind, from the skeleton and its MoE map; `vision`: a
+  vision-language model's tower, projector and images;
 - `memory`: bytes per GPU and per node; `timing`: seconds per step; `report`: the record and its table.
 """
 
@@ -20,7 +21,7 @@ from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import ACCELERATORS, GIB, Accelerator, local_accelerator
 from tuneforge.estimate.memory import memory_use
-from tuneforge.estimate.report import Estimate, assumptions, format_estimate
+from tuneforge.estimate.report import Estimate, assumptions, format_estimate, vision_line
 from tuneforge.estimate.shapes import model_shapes, row_label, row_tokens
 from tuneforge.estimate.timing import reference_pass_seconds, step_times
 from tuneforge.model.moe import MoEMap
@@ -85,6 +86,7 @@ def estimate(
         activation_factor=s.act_total * compute_bytes / s.hidden / s.layers,
         assumptions=assumptions(cfg, traits, s),
         before_training=before_training,
+        vision=vision_line(s),
     )
 
 

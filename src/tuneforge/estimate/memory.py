@@ -1,5 +1,6 @@
 """Memory per GPU and host RAM per node: weights, gradients, optimizer state, gathered layers, activations,
-the loss, and what the CUDA context takes, placed where the engine keeps them."""
+the loss, a vision-language model's images, and what the CUDA context takes, placed where the engine keeps
+them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import GIB
 from tuneforge.estimate.shapes import ModelShapes, count_label, frozen_copy, row_label, row_tokens
+from tuneforge.estimate.vision import VisionShapes
 from tuneforge.model.staging import LOAD_CONTEXT_BYTES, choose_staging, device_load_bytes, host_staged_gpu_bytes
 from tuneforge.objective.fused_loss import LOGIT_BYTES as FUSED_LOGIT_BYTES
 from tuneforge.objective.fused_loss import chunk_rows
@@ -18,6 +20,7 @@ LOGITS_BYTES = 12  # per logit: bf16 logits, their fp32 copy for the loss, and i
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation (not measured here)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 AUTOCAST_NAMES = {"bf16": "bfloat16", "fp16": "float16"}  # train.precision -> the dtype autocast computes in
+PIXEL_BYTES = 4  # image processors give float32 pixels
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ def state_rows(
     if traits.sharded:
         gathered = GATHERED_LAYERS * (s.layer_quantized * kbit + s.layer_other * compute_bytes)
         gathered += s.outside_layers * compute_bytes
-        rows.append(Row(f"gathered for compute: {GATHERED_LAYERS} layers + embeddings/head", gathered))
+        rest = "embeddings/head, tower, projector" if s.vision is not None else "embeddings/head"
+        rows.append(Row(f"gathered for compute: {GATHERED_LAYERS} layers + {rest}", gathered))
     return rows, weight_b
 
 
@@ -168,6 +172,8 @@ def activation_rows(cfg: Config, s: ModelShapes, traits: EngineTraits, compute_b
             tokens_micro * per_token * compute_bytes,
         )
     ]
+    if s.vision is not None:
+        rows.append(image_row(cfg, s.vision, compute_bytes))
     head_wrapped = cfg.model.lora is not None and "lm_head" in (cfg.model.lora.modules_to_save or [])
     if cfg.objective.scalar_head:  # a score head: one value per token, no vocabulary
         return rows
@@ -178,6 +184,27 @@ def activation_rows(cfg: Config, s: ModelShapes, traits: EngineTraits, compute_b
         fused = chunk * s.vocab * FUSED_LOGIT_BYTES + tokens_micro * s.hidden * compute_bytes
         rows.append(Row(f"fused loss: {chunk} x {s.vocab} logits at a time", fused))
     return rows
+
+
+def image_row(cfg: Config, v: VisionShapes, compute_bytes: int) -> Row:
+    """A micro-batch's images: their pixels, and what the tower and projector keep for backward. A frozen tower
+    keeps nothing (no gradient passes through it); a trained one keeps its layers' activations for every patch
+    (checkpointed as the language model's are), and the projector keeps its own for every image token while it
+    trains or passes gradients to the tower. The image tokens' activations in the language model are the row's."""
+    train = cfg.train
+    images = train.micro_batch_size * v.images_per_row
+    kept = 0.0
+    if v.tower_trains:
+        if train.gradient_checkpointing:
+            kept += v.image.patches * (v.tower_layers * v.tower_hidden + v.tower_act_max_layer)
+        else:
+            kept += v.image.patches * v.tower_act_total
+    if v.keeps_projector:
+        kept += v.image.tokens * v.projector_act
+    kept_by = "tower, projector" if v.tower_trains else "projector" if v.keeps_projector else ""
+    what = f"pixels, {kept_by} activations" if kept_by else "pixels (tower and projector frozen)"
+    label = f"images: {images} x {v.image.tokens:,} tokens, {v.image.patches:,} patches: {what}"
+    return Row(label, images * (kept * compute_bytes + v.image.pixels * PIXEL_BYTES))
 
 
 def loading_bytes(

@@ -8,7 +8,7 @@ from tuneforge.config.schema import Config
 from tuneforge.engines.base import EngineTraits
 from tuneforge.estimate.hardware import GIB, Accelerator
 from tuneforge.estimate.memory import CUDA_OVERHEAD_GIB, FUSED_LOGIT_BYTES, GATHERED_LAYERS, LOGITS_BYTES, Row
-from tuneforge.estimate.shapes import ModelShapes
+from tuneforge.estimate.shapes import ModelShapes, count_label
 from tuneforge.estimate.timing import (
     BASE_MFU,
     CPU_ADAM_PARAMS_PER_S,
@@ -44,6 +44,8 @@ class Estimate:
     assumptions: list[str]
     before_training: tuple[str, float] | None = None
     """Work done once before the first step, and its seconds (DPO's precomputed reference pass)."""
+    vision: str | None = None
+    """A vision-language model's parts and images, in words (None for a text model)."""
 
     @property
     def gpu_bytes(self) -> float:
@@ -112,7 +114,28 @@ def assumptions(cfg: Config, traits: EngineTraits, s: ModelShapes) -> list[str]:
             "preparation (16-bit again under DeepSpeed), whole on every GPU while loading"
         )
     notes.append("tokens per micro-batch = micro_batch_size x max_length (shorter unpacked samples cost less)")
+    if s.vision is not None:
+        notes.append(
+            "images: one per sample, so one per unpacked row and as many as their tokens fit in a packed one (an "
+            "upper bound); their tokens are part of the row's max_length; the tower and projector computed at the "
+            "same MFU; a frozen tower keeps no activations, and its forward's passing ones are not counted"
+        )
     return notes
+
+
+def vision_line(s: ModelShapes) -> str | None:
+    """The tower, projector and images of a vision-language model, for the report."""
+    v = s.vision
+    if v is None:
+        return None
+    rows = "packed row" if v.images_per_row > 1 else "row"
+    return (
+        f"tower {count_label(v.tower)} ({v.tower_mode}), projector {count_label(v.projector)} "
+        f"({'trained' if v.projector_trains else 'frozen'}), language model {v.language}; "
+        f"{v.image.tokens:,} token{'s' if v.image.tokens > 1 else ''} per image ({v.image.how}) from "
+        f"{v.image.patches:,} patches through the tower, {v.images_per_row} image"
+        f"{'s' if v.images_per_row > 1 else ''} per {rows}"
+    )
 
 
 def _gib(value: float) -> str:
@@ -137,6 +160,8 @@ def format_estimate(est: Estimate) -> str:
     if max(est.load_gpu, est.load_host) >= 0.05 * GIB:
         lines.append(f"  {'while loading, before sharding':<{width}}{_gib(est.load_gpu):>9}{_gib(est.load_host):>15}")
     lines.append(f"  activations: {est.activation_factor:.0f} x hidden bytes per token per layer (from shapes)")
+    if est.vision is not None:
+        lines.append(f"  vision: {est.vision}")
     if est.step_s is None:
         lines.append("  time: the accelerator's peak FLOP/s is unknown")
     else:

@@ -1,5 +1,6 @@
-"""Time per optimizer step: compute at an assumed share of the peak, the memory-bound expert adapter deltas,
-collectives, and host transfers and the CPU optimizer under offload."""
+"""Time per optimizer step: compute at an assumed share of the peak (a vision-language model's tower and
+projector over its images apart), the memory-bound expert adapter deltas, collectives, and host transfers and the
+CPU optimizer under offload."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
         + (f", k-bit layers x{QUANTIZED_EFFICIENCY}" if s.active_quantized else "")
     )
     times = [("compute", compute, f"{flops_token / 1e9:.1f} GFLOP/token, {mfu_note}")]
+    if s.vision is not None:
+        times.append(vision_time(cfg, s, rate))
     if extra := cfg.objective.extra_forwards(cfg):  # the reference's forward, no backward
         reference = micro * tokens_micro * 2 * forward * extra / rate
         times.append(("reference forward", reference, REFERENCE_FORWARDS.get(cfg.reference, "")))
@@ -95,6 +98,23 @@ def gpu_times(cfg: Config, s: ModelShapes, accelerator: Accelerator) -> Times:
         values = f"{count_label(s.stacked_quantized)} values rebuilt {dequantize_passes}x"
         times.append(("expert dequantization", dequantize, values))
     return times
+
+
+def vision_time(cfg: Config, s: ModelShapes, rate: float) -> tuple[str, float, str]:
+    """The tower over every patch and the projector over every image token of a step's images: a forward, and
+    where they train or pass gradients on, their backward (and the tower's recompute under checkpointing)."""
+    v, train = s.vision, cfg.train
+    images = train.gradient_accumulation * train.micro_batch_size * v.images_per_row
+    tower_passes = 2
+    if v.tower_trains:  # input gradients (and weight gradients in full), the recompute
+        tower_passes += 2 + (2 if v.tower_mode == "full" else 0) + (2 if train.gradient_checkpointing else 0)
+    projector_passes = 2 + (2 if v.projector_trains else 0) + (2 if v.tower_trains else 0)
+    tower = v.image.patches * v.tower_patch_params + v.image.tokens * v.tower_token_params
+    flops = tower_passes * tower + projector_passes * v.image.tokens * v.projector
+    flops += 6 * v.image.patches * v.tower_adapter_active
+    how = "forward only" if not v.tower_trains else "forward and backward"
+    note = f"{images:,} images per GPU x {flops / 1e9:,.0f} GFLOP ({v.image.patches:,} patches each), tower {how}"
+    return ("vision tower", images * flops / rate, note)
 
 
 def forward_weight(s: ModelShapes) -> float:

@@ -71,9 +71,10 @@ def matches_module_name(name: str, names: list[str]) -> bool:
 
 
 def quantized_linears(model: nn.Module, settings: QuantizationConfig) -> list[tuple[str, nn.Linear]]:
-    """The layers bitsandbytes will quantize: linear layers except the output head and `skip_modules`."""
+    """The layers bitsandbytes will quantize: linear layers except the output head, a vision-language model's
+    tower and projector, and `skip_modules` (the list `bitsandbytes_config` gives)."""
     head = model.get_output_embeddings()
-    skip = [*OUTPUT_HEADS, *settings.skip_modules]
+    skip = [*OUTPUT_HEADS, *VISION_PARTS, *settings.skip_modules]
     return [
         (name, module)
         for name, module in model.named_modules()

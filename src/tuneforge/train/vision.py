@@ -11,7 +11,7 @@ from typing import Any
 from tuneforge.config.schema import Config, DataConfig
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.image_batches import ImageBatches
-from tuneforge.data.image_tokens import ImageTokens
+from tuneforge.data.image_tokens import IMAGE_SHARE_OF_ROW, ImageTokens
 from tuneforge.data.templates import TOKENIZER, ChatTemplate, get_template
 from tuneforge.data.vision_templates import MarkedTemplate, ProcessorTemplate
 from tuneforge.errors import UserError
@@ -20,9 +20,6 @@ from tuneforge.model.vision import build_processor, is_vision_model
 from tuneforge.model.vision_inputs import bidirectional_images
 
 Say = Callable[[str], None]
-
-IMAGE_SHARE_OF_ROW = 4
-"""The default pixel budget keeps one image within 1/4 of `data.max_length` tokens."""
 
 
 @dataclass
