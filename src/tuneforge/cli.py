@@ -107,6 +107,11 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from a step checkpoint: `auto` takes the newest complete one in the work dir",
     )
     train.add_argument(
+        "--allow-reward-code",
+        action="store_true",
+        help="let rl.rewards of kind python import and run the functions they name (a config alone never runs code)",
+    )
+    train.add_argument(
         "--archive-previous",
         action="store_true",
         help="the work dir holds another run's outputs: move them to WORK_DIR/previous-runs/ and start afresh",
@@ -326,6 +331,8 @@ def _train(args: argparse.Namespace) -> int:
             worker_argv += ["--resume", args.resume]
         if args.archive_previous:
             worker_argv.append("--archive-previous")
+        if args.allow_reward_code:
+            worker_argv.append("--allow-reward-code")
         return launch_workers(
             worker_argv,
             args.nproc_per_node,
@@ -338,6 +345,10 @@ def _train(args: argparse.Namespace) -> int:
     from tuneforge.errors import StoppedBySignal
     from tuneforge.train.run import run_training
 
+    if args.allow_reward_code:
+        from tuneforge.objective.rewards import ALLOW_REWARD_CODE
+
+        os.environ[ALLOW_REWARD_CODE] = "1"  # this process's run (and only it) may import python rewards
     try:
         run_training(config, work_dir, args.resume, args.archive_previous)
     except StoppedBySignal as stopped:

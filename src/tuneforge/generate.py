@@ -14,7 +14,7 @@ from tuneforge.data.templates import ChatTemplate, Encoded
 from tuneforge.model.precision import autocast
 
 
-def _stop_token_ids(tokenizer: PreTrainedTokenizerBase, stops: list[str]) -> list[int]:
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stops: list[str]) -> list[int]:
     ids = {tokenizer.eos_token_id}
     for word in stops:
         encoded = tokenizer(word, add_special_tokens=False)["input_ids"]
@@ -51,7 +51,7 @@ def generate_replies(
     model.eval()
     device = next(model.parameters()).device
     stops = template.stop_strings(tokenizer)
-    stop_ids = _stop_token_ids(tokenizer, stops)
+    stop_ids = stop_token_ids(tokenizer, stops)
     replies: list[str] = []
     try:
         for start in range(0, len(prompts), batch_size):
@@ -100,3 +100,56 @@ def _with_images(
     if not loaded:
         return expanded, {}
     return expanded, {name: value.to(device) for name, value in images.pixels(loaded).items()}
+
+
+@torch.no_grad()
+def sample_completions(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    generations: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: list[int],
+    pad_id: int,
+    precision: str = "fp32",
+    synced: bool = False,
+) -> tuple[list[list[int]], list[bool]]:
+    """`generations` sampled completions of each prompt, prompt by prompt (the first prompt's group first), in the
+    model's current weights (adapters active, KV cache on), and whether each was cut at `max_new_tokens` before a
+    stop token. A completion ends with its stop token. `synced`: sharded weights, every rank steps until all
+    are done."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    try:
+        with autocast(precision, device):
+            output = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=True,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=0,
+                num_return_sequences=generations,
+                eos_token_id=stop_ids,
+                pad_token_id=pad_id,
+                synced_gpus=synced,
+                use_cache=True,
+            )
+    finally:
+        model.train(was_training)
+    completions, truncated = [], []
+    stops = set(stop_ids)
+    for row in output[:, width:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in stops), None)
+        completions.append(row[:end] if end is not None else row)
+        truncated.append(end is None)
+    return completions, truncated

@@ -25,8 +25,9 @@ Check = Callable[[Config], "str | None"]
 class ObjectiveSpec:
     name: str
     """The value of `train.objective`."""
-    data: Literal["chats", "pairs"]
-    """What a sample is: a conversation, or a pair of a chosen and a rejected answer under one prompt."""
+    data: Literal["chats", "pairs", "prompts"]
+    """What a sample is: a conversation, a pair of a chosen and a rejected answer under one prompt, or a prompt
+    with the answer its completions are rewarded against."""
     unit: str
     """What the step's mean is over, in messages ("target tokens", "pairs")."""
     description: str
@@ -66,9 +67,14 @@ class ObjectiveSpec:
         return self.reference(cfg) == "model"
 
     @property
+    def prompted(self) -> bool:
+        """The model writes its own training data from prompts (online reinforcement learning)."""
+        return self.data == "prompts"
+
+    @property
     def sample_word(self) -> str:
         """What one training sample is called in messages."""
-        return "pairs" if self.paired else "samples"
+        return "pairs" if self.paired else "prompts" if self.prompted else "samples"
 
     def batch_unit(self, packing: bool) -> str:
         """What `train.micro_batch_size` counts."""
@@ -154,6 +160,42 @@ register(
         description="a reward model: one score per conversation, ranking each pair's chosen answer first",
         scalar_head=True,
         writes_answers=False,
+    )
+)
+
+
+def _kl_needs_adapters(cfg: Config) -> str | None:
+    if cfg.rl.kl_coef and cfg.model.lora is None:
+        return (
+            "rl.kl_coef: the KL reference is the base with its adapters disabled, which needs model.lora; set "
+            "rl.kl_coef: 0 (the default) for full fine-tuning"
+        )
+    return None
+
+
+def _prompts_unpacked(cfg: Config) -> str | None:
+    if cfg.data.packing:
+        return "data.packing: grpo batches prompts and packs nothing (its completions are its own); remove it"
+    return None
+
+
+def _prompts_without_validation_loss(cfg: Config) -> str | None:
+    if cfg.data.validation_files or cfg.data.validation_fraction:
+        return (
+            "data.validation_files / validation_fraction: grpo has no validation loss (prompts carry no targets); "
+            "measure held-out accuracy with eval.exact_match instead"
+        )
+    return None
+
+
+register(
+    ObjectiveSpec(
+        "grpo",
+        data="prompts",
+        unit="completions",
+        description="group-relative policy optimisation: completions sampled per prompt, rewarded, and weighted "
+        "against their group's",
+        checks=(_kl_needs_adapters, _prompts_unpacked, _prompts_without_validation_loss),
     )
 )
 

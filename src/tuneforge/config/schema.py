@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from tuneforge.config.data_sections import DataConfig, TemplateConfig
 from tuneforge.config.model_sections import LoraSettings, ModelConfig, QuantizationConfig, VisionSettings
 from tuneforge.config.objectives import OBJECTIVES, ObjectiveSpec, objective_spec
+from tuneforge.config.rl_sections import RewardSpec, RLConfig
 from tuneforge.config.section import Section
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "ParallelConfig",
     "PreferenceConfig",
     "QuantizationConfig",
+    "RLConfig",
+    "RewardSpec",
     "Section",
     "TemplateConfig",
     "TrainConfig",
@@ -359,6 +362,8 @@ class Config(Section):
     """Stall detection."""
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     """Preference training (`train.objective: dpo`, `orpo` or `reward`)."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """Online reinforcement learning (`train.objective: grpo`)."""
 
     @model_validator(mode="after")
     def _check_objective(self) -> Config:

@@ -59,6 +59,8 @@ class MicroBatch:
     vision: dict[str, torch.Tensor] | None = None
     """The model's pixel inputs for those images (`pixel_values` and what the family adds), set by
     `ImageBatches.attach`; None for a text-only model."""
+    advantages: torch.Tensor | None = None
+    """Online RL's rollout rows: each row's completion advantage (one per row); None otherwise."""
 
     def __post_init__(self) -> None:
         if self.global_targets < 0:

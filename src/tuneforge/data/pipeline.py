@@ -23,6 +23,7 @@ from tuneforge.data.formats import detect_format, to_conversation
 from tuneforge.data.image_tokens import ImageTokens
 from tuneforge.data.images import resolve_source
 from tuneforge.data.pairs import answer_origin, is_pair_record, read_pairs
+from tuneforge.data.prompts import read_prompts, tokenize_prompts
 from tuneforge.data.report import DropLog, ItemizedDrops, SplitReport, image_stats, length_stats
 from tuneforge.data.sources import MALFORMED_JSON, read_records
 from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate
@@ -124,11 +125,17 @@ def build_split(
     template: ChatTemplate,
     pairs: bool = False,
     images: ImageTokens | None = None,
+    prompt_room: int | None = None,
 ) -> Split:
-    """Read and tokenize `files`. With `pairs`, the samples are each pair's chosen then rejected answer, side by
+    """Read and tokenize `files`. With `prompt_room`, the files hold online RL's prompts with their answers, a
+    prompt at most that many tokens. With `pairs`, the samples are each pair's chosen then rejected answer, side by
     side; a pair one of whose answers is dropped is dropped whole, counted once under that answer's reason.
     `images`: the model's image tokens (a vision-language model; pairs are text only)."""
     drops = DropLog()
+    if prompt_room is not None:
+        prompts, read = read_prompts(cfg, files, drops)
+        data = tokenize_prompts(prompts, tokenizer, template, prompt_room, cfg.system, drops)
+        return Split(data, _report(name, files, read, 0, drops, data))
     if not pairs:
         conversations, read = read_conversations(cfg, files, drops, vision=images is not None)
         kept, truncated = tokenize(
@@ -189,6 +196,7 @@ def fingerprint(
     tokenizer: PreTrainedTokenizerBase,
     pairs: bool = False,
     images: ImageTokens | None = None,
+    prompt_room: int | None = None,
 ) -> str:
     """Changes whenever a file's content or any setting that affects tokenization changes. The images' own
     bytes are not read for it: their tokens depend on their sizes, checked again when they are loaded."""
@@ -198,6 +206,8 @@ def fingerprint(
         settings["image_tokens"] = images.fingerprint()
         # Relative image paths resolve against the data files' folders when no image root is set.
         settings["image_folders"] = [str(Path(f).resolve().parent) for f in files]
+    if prompt_room is not None:
+        settings["prompt_room"] = prompt_room
     digest = hashlib.sha256(DATA_VERSION.encode() + (b":pairs" if pairs else b""))
     digest.update(json.dumps(settings, sort_keys=True).encode())
     digest.update(_tokenizer_digest(tokenizer).encode())
@@ -272,6 +282,8 @@ def _write_entry(split: Split, tmp: Path, files: list[str]) -> None:
     tmp.mkdir(parents=True)
     for field in ("input_ids", "labels", "offsets"):
         np.save(tmp / f"{field}.npy", getattr(split.data, field))
+    if split.data.answers is not None:
+        (tmp / "answers.json").write_text(json.dumps(split.data.answers))
     if split.data.image_offsets is not None:
         np.save(tmp / "image_offsets.npy", split.data.image_offsets)
         (tmp / "images.json").write_text(json.dumps(split.data.images))
@@ -294,6 +306,8 @@ def _load(directory: Path, files: list[str]) -> Split:
                 raise DamagedCache(f"{file} changed since it was written (its checksum differs)")
         arrays = {f: np.load(directory / f"{f}.npy", mmap_mode="r") for f in ("input_ids", "labels", "offsets")}
         origins = json.loads((directory / "origins.json").read_text())
+        if "answers.json" in sums:
+            arrays["answers"] = json.loads((directory / "answers.json").read_text())
         if "images.json" in sums:
             arrays["image_offsets"] = np.load(directory / "image_offsets.npy")
             arrays["images"] = json.loads((directory / "images.json").read_text())
@@ -354,14 +368,15 @@ def prepare_split(
     local_ranks: int = 1,
     pairs: bool = False,
     images: ImageTokens | None = None,
+    prompt_room: int | None = None,
 ) -> tuple[Split, bool]:
     """The tokenized split and whether it came from the cache. With a cache and several ranks on a node, the
     node's local rank 0 builds it while the node's others wait (with their own timeout, independent of the
     training watchdog): per node, since `data.cache_dir` (by default under the home directory) may be on each
     node's own disk, where the ranks of other nodes would wait for it in vain."""
     if cfg.cache_dir is None:
-        return build_split(name, cfg, files, tokenizer, template, pairs, images), False
-    directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer, pairs, images)
+        return build_split(name, cfg, files, tokenizer, template, pairs, images, prompt_room), False
+    directory = Path(cfg.cache_dir).expanduser() / fingerprint(cfg, files, tokenizer, pairs, images, prompt_room)
     here = [str(Path(f)) for f in files]
     if local_rank != 0 and local_ranks > 1:
         try:
@@ -375,7 +390,7 @@ def prepare_split(
             return _load(directory, here), True
         except DamagedCache as damaged:
             _set_aside(directory, f"{damaged}")
-    split = build_split(name, cfg, files, tokenizer, template, pairs, images)
+    split = build_split(name, cfg, files, tokenizer, template, pairs, images, prompt_room)
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         _save(split, directory, files)
@@ -417,14 +432,26 @@ def prepare_data(
     local_ranks: int = 1,
     pairs: bool = False,
     images: ImageTokens | None = None,
+    prompt_room: int | None = None,
 ) -> PreparedData:
     """The train and validation splits; `pairs`: the files hold preference pairs (`train.objective` dpo, orpo,
     reward); `images`: a vision-language model's image tokens."""
-    train, _ = prepare_split("train", cfg, cfg.train_files, tokenizer, template, local_rank, local_ranks, pairs, images)
+    train, _ = prepare_split(
+        "train", cfg, cfg.train_files, tokenizer, template, local_rank, local_ranks, pairs, images, prompt_room
+    )
     validation = None
     if cfg.validation_files:
         validation, _ = prepare_split(
-            "validation", cfg, cfg.validation_files, tokenizer, template, local_rank, local_ranks, pairs, images
+            "validation",
+            cfg,
+            cfg.validation_files,
+            tokenizer,
+            template,
+            local_rank,
+            local_ranks,
+            pairs,
+            images,
+            prompt_room,
         )
     elif cfg.validation_fraction:
         train, validation = hold_out(train, cfg.validation_fraction, cfg.split_seed, 2 if pairs else 1)

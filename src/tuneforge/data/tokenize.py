@@ -37,6 +37,8 @@ class TokenizedData:
     images: list[str] = field(default_factory=list)
     image_offsets: np.ndarray | None = None
     """None: no sample has images (a text dataset)."""
+    answers: list[str] | None = None
+    """Online RL's prompts: the answer each prompt's completions are rewarded against; None otherwise."""
 
     def __len__(self) -> int:
         return len(self.origins)
@@ -73,10 +75,13 @@ class TokenizedData:
         return self.image_offsets is not None and len(self.images) > 0
 
     def subset(self, indices: list[int]) -> TokenizedData:
-        return TokenizedData.from_samples(
+        subset = TokenizedData.from_samples(
             [(*self.sample(i), self.origins[i], tuple(self.images_of(i))) for i in indices],
             with_images=self.image_offsets is not None,
         )
+        if self.answers is not None:
+            subset.answers = [self.answers[i] for i in indices]
+        return subset
 
     @staticmethod
     def from_samples(samples: list[Sample], with_images: bool | None = None) -> TokenizedData:

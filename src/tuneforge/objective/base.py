@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,18 @@ class LossTerms:
     """The objective's figures, summed over the micro-batch's units."""
 
 
+@dataclass
+class StepData:
+    """What a step trains on: the planned micro-batches, or those an objective made from them (online RL's
+    rollouts), with the figures and samples the making reports."""
+
+    micro_batches: list[MicroBatch]
+    figures: dict[str, float] = field(default_factory=dict)
+    """Reported in the step's record beside its loss, the same on every rank."""
+    samples: list[dict] = field(default_factory=list)
+    """A few generated completions (`prompt`, `reply`, `reward`), for `samples.jsonl`."""
+
+
 class Objective(abc.ABC):
     """One objective's loss (what it is, its data and its unit: `tuneforge.config.objectives`)."""
 
@@ -63,6 +75,14 @@ class Objective(abc.ABC):
 
     metric_names: tuple[str, ...] = ()
     """The keys of the metrics `evaluate` returns, in the order they are reported."""
+
+    generates: bool = False
+    """Whether `prepare_step` generates the step's data (a phase the watchdog watches as generation)."""
+
+    def prepare_step(self, micro_batches: list[MicroBatch]) -> StepData:
+        """The step's training data from its planned micro-batches (every rank calls it at every step, alike):
+        these as they are by default."""
+        return StepData(micro_batches)
 
     def prepare(self, batch: MicroBatch) -> object:
         """What the loss needs besides the policy's forward, computed before it and outside the router balance's

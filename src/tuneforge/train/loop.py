@@ -287,6 +287,8 @@ class PendingStep:
     started: torch.cuda.Event | float
     ended: torch.cuda.Event | float
     peak_memory_gb: float
+    figures: dict[str, float] = field(default_factory=dict)
+    """What the objective's making of the step's data reports (online RL's rewards), already host values."""
 
 
 class Trainer:
@@ -301,6 +303,7 @@ class Trainer:
         self.work_dir = parts.work_dir
         self.is_main = parts.engine.info.is_main
         self.best_val_loss = float("inf")
+        self.zero_std_warned = False
         self.nonfinite_in_row = 0
         self.samples_consumed = 0
         self.stop_votes: tuple[int, ...] = ()
@@ -413,9 +416,14 @@ class Trainer:
         engine, train = self.engine, self.cfg.train
         started = self.clock.mark()
         planned = planned_micro_batches(len(self.parts.planner), train.gradient_accumulation, step)
+        objective = self.parts.objective
+        if objective.generates:
+            self.watchdog.beat(GENERATION, training=step > 1)
+        made = objective.prepare_step(micro_batches)
+        self.write_samples(step, made.samples)
         self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
-        observer = TrainerObserver(self, step, len(micro_batches))
-        accumulated = accumulate_gradients(engine, micro_batches, self.parts.objective, observer)
+        observer = TrainerObserver(self, step, len(made.micro_batches))
+        accumulated = accumulate_gradients(engine, made.micro_batches, objective, observer)
         # From the plan every rank holds: samples (a pair's answers as one), not rows, and no repeated filler row.
         self.samples_consumed += sum(mb.global_samples for mb in micro_batches) // self.parts.planner.group
 
@@ -434,6 +442,7 @@ class Trainer:
             started,
             self.clock.mark(),
             peak_memory_gb(engine.info.device),
+            made.figures,
         )
 
     def reads_after(self, step: int) -> bool:
@@ -533,7 +542,36 @@ class Trainer:
         if accumulated.router_aux_loss is not None:
             record["router_aux_loss"] = accumulated.router_aux_loss
         record.update(accumulated.metrics)
+        record.update(pending.figures)
+        self._warn_if_nothing_learned(record)
         return record
+
+    ZERO_STD_WARNING = 0.8
+    """The share of prompt groups whose completions all got the same reward above which a step is said to teach
+    little."""
+
+    def _warn_if_nothing_learned(self, record: dict) -> None:
+        """Once per run: most groups' completions rewarded alike have advantages of zero and teach nothing."""
+        share = record.get("frac_reward_zero_std")
+        if share is None or share < self.ZERO_STD_WARNING or self.zero_std_warned:
+            return
+        self.zero_std_warned = True
+        self.progress.log(
+            f"warning: at step {record['step']}, {share:.0%} of prompt groups got the same reward for every "
+            "completion (advantage zero: nothing learned from them); the task is too easy or too hard for the "
+            "model: raise rl.generations, rl.temperature, or choose prompts it solves sometimes"
+        )
+
+    def write_samples(self, step: int, samples: list[dict]) -> None:
+        """A step's generated completions with their rewards into samples.jsonl, at the steps that log."""
+        if not samples or not self.is_main or step % self.cfg.log.every_steps:
+            return
+        lines = [json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n" for sample in samples]
+        try:
+            with RunFiles(self.work_dir).samples.open("a", encoding="utf-8") as handle:
+                handle.writelines(lines)
+        except OSError as exc:  # a full disk loses the samples, never the run
+            self.progress.log(f"samples: not written ({exc.strerror or exc})")
 
     def _fp16_overflow(self, step: int, loss: float, loss_scale: float | None, scale_after: float | None) -> bool:
         """Under dynamic fp16 scaling, gradients that overflow at a scale above the minimum are the scaler's

@@ -6,12 +6,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from tuneforge.config.schema import PreferenceConfig
+from tuneforge.config.schema import PreferenceConfig, RLConfig
+from tuneforge.data.templates import ChatTemplate
+from tuneforge.distributed import gather_objects
 from tuneforge.engines import Engine
 from tuneforge.engines.base import FrozenModel
+from tuneforge.generate import stop_token_ids
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.objective import CrossEntropy, Objective, TokenForward
+from tuneforge.objective.group_relative import GroupRelativePolicy
 from tuneforge.objective.preference import (
     DirectPreference,
     OddsRatioPreference,
@@ -20,6 +25,7 @@ from tuneforge.objective.preference import (
     precomputed_reference,
 )
 from tuneforge.objective.reward import RewardRanking
+from tuneforge.objective.rewards import Reward
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,19 @@ class ObjectiveInputs:
     preference: PreferenceConfig
     reference_table: torch.Tensor | None
     reference_model: FrozenModel | None
+    prompts: PromptContext | None = None
+
+
+@dataclass(frozen=True)
+class PromptContext:
+    """What online RL's rollouts need besides the model: its settings and rewards, each prompt's answer (by data
+    index), and how replies end and read."""
+
+    settings: RLConfig
+    rewards: list[Reward]
+    answers: list[str]
+    tokenizer: PreTrainedTokenizerBase
+    template: ChatTemplate
 
 
 def _cross_entropy(given: ObjectiveInputs) -> Objective:
@@ -83,11 +102,47 @@ def _reward_ranking(given: ObjectiveInputs) -> Objective:
     )
 
 
+def _group_relative(given: ObjectiveInputs) -> Objective:
+    context = given.prompts
+    if context is None:
+        raise ValueError("grpo needs its prompts' context")
+    engine, forward = given.engine, given.forward
+    stops = context.template.stop_strings(context.tokenizer)
+    reference = None
+    if context.settings.kl_coef:
+        reference = _adapters_off_log_probs(forward, engine.unwrapped)
+    return GroupRelativePolicy(
+        forward,
+        context.settings,
+        context.rewards,
+        context.answers,
+        context.tokenizer,
+        stops,
+        stop_token_ids(context.tokenizer, stops),
+        engine.generates_in_lockstep,
+        lambda value: gather_objects(value, engine.info),
+        reference,
+        given.balance,
+        engine.sum_tensor_across_ranks,
+    )
+
+
+def _adapters_off_log_probs(forward: TokenForward, peft_model: torch.nn.Module):
+    """The KL reference of online RL: the policy with its adapters disabled, token by token."""
+
+    def reference(batch):
+        with torch.no_grad(), peft_model.disable_adapter():
+            return forward.target_log_probs(batch)
+
+    return reference
+
+
 BUILDERS: dict[str, Callable[[ObjectiveInputs], Objective]] = {
     "sft": _cross_entropy,
     "orpo": _odds_ratio,
     "dpo": _direct_preference,
     "reward": _reward_ranking,
+    "grpo": _group_relative,
 }
 """Each objective of `tuneforge.config.objectives`, by name: what builds its loss."""
 
@@ -105,6 +160,7 @@ def build_objective(
     preference: PreferenceConfig | None = None,
     reference_table: torch.Tensor | None = None,
     reference_model: FrozenModel | None = None,
+    prompts: PromptContext | None = None,
 ) -> Objective:
     """`objective` (`train.objective`) over `engine`'s model (`policy_forward`), with the router balance loss of
     MoE models when `balance` is given, applied to the policy's forward only. DPO's reference: the base with the
@@ -119,5 +175,6 @@ def build_objective(
         preference or PreferenceConfig(),
         reference_table,
         reference_model,
+        prompts,
     )
     return BUILDERS[objective](given)

@@ -16,6 +16,8 @@ def _format_step(step: int, metrics: dict[str, float]) -> str:
         + (f"  router_aux {metrics['router_aux_loss']:.4f}" if "router_aux_loss" in metrics else "")
         + (f"  margin {metrics['rewards/margin']:.3f}" if "rewards/margin" in metrics else "")
         + (f"  acc {metrics['rewards/accuracy']:.2f}" if "rewards/accuracy" in metrics else "")
+        + (f"  reward {metrics['reward']:.3f}" if "reward" in metrics else "")
+        + (f"  len {metrics['completion_length']:.0f}" if "completion_length" in metrics else "")
         + (f"  val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
         + (f"  val_acc {metrics['val_rewards/accuracy']:.2f}" if "val_rewards/accuracy" in metrics else "")
         + (f"  MFU {100 * metrics['mfu']:.0f}%" if "mfu" in metrics else "")

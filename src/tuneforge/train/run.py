@@ -18,6 +18,7 @@ from tuneforge.config import Config, dump_config
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.loader import make_planner, padding_by_strategy
 from tuneforge.data.pipeline import PreparedData, prepare_data
+from tuneforge.data.prompts import prompt_room
 from tuneforge.data.report import format_report, nothing_trains
 from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.recorder import RECORDER
@@ -45,13 +46,14 @@ from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.model.trainable import make_trainable
 from tuneforge.model.vision_training import part_learning_rates, settings_of
+from tuneforge.objective.rewards import ALLOW_REWARD_CODE, build_rewards
 from tuneforge.run_files import RunFiles
 from tuneforge.train.checkpoint import tidy_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
 from tuneforge.train.faults import FaultInjector, injected_fault
 from tuneforge.train.inputs import check_inputs, checkpoint_bytes, disk_room_problems
 from tuneforge.train.loop import Trainer, step_groups, steps_per_epoch
-from tuneforge.train.objectives import build_objective
+from tuneforge.train.objectives import PromptContext, build_objective
 from tuneforge.train.optim import build_optimizer
 from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
@@ -189,6 +191,8 @@ def setup(
     vision = vision_run(cfg, tokenizer, say)
     if vision is not None:
         tokenizer, template = vision.tokenizer, vision.template
+    # Rewards first: one that may not run (python code without --allow-reward-code) is said before anything loads.
+    rewards = build_rewards(cfg.rl.rewards, os.environ.get(ALLOW_REWARD_CODE) == "1") if cfg.objective.prompted else []
     watchdog.beat("data", training=False)
     data = load_data(cfg, tokenizer, template, info, say, vision)
     if cfg.watchdog.doctor != "off":
@@ -226,8 +230,18 @@ def setup(
     reference_table = None
     if cfg.objective.reference_pass(cfg):
         reference_table = reference_pass(cfg, engine, data, tokenizer, layout, work_dir, watchdog, say)
+    prompts = None
+    if cfg.objective.prompted:
+        prompts = PromptContext(cfg.rl, rewards, data.train.data.answers, tokenizer, template)
     objective = build_objective(
-        engine, cfg.train.precision, balance, cfg.train.objective, cfg.preference, reference_table, reference_model
+        engine,
+        cfg.train.precision,
+        balance,
+        cfg.train.objective,
+        cfg.preference,
+        reference_table,
+        reference_model,
+        prompts,
     )
     return RunParts(
         cfg=cfg,
@@ -321,7 +335,8 @@ def load_data(
     """Tokenized (or cached) splits with their reports printed; no trainable sample left is an error."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))  # the ranks on this node
     images = vision.tokens if vision is not None else None
-    data = prepare_data(cfg.data, tokenizer, template, info.local_rank, local_ranks, cfg.paired, images)
+    room = prompt_room(cfg.data.max_length, cfg.rl.max_completion_tokens) if cfg.objective.prompted else None
+    data = prepare_data(cfg.data, tokenizer, template, info.local_rank, local_ranks, cfg.paired, images, room)
     for split in (data.train, data.validation):
         if split is not None:
             split.report.padding = padding_by_strategy(split.data, cfg.train.micro_batch_size, cfg.data.max_length)

@@ -1,0 +1,104 @@
+"""`rl:`: online reinforcement learning (`train.objective: grpo`): how completions are sampled for each prompt,
+how they are rewarded, and the policy loss that learns from them."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tuneforge.config.section import Section
+
+
+class RewardSpec(Section):
+    """One reward of `rl.rewards`: a built-in (data, not code) or, only with `tuneforge train --allow-reward-code`,
+    a Python function importable by name."""
+
+    kind: Literal["exact_match", "regex", "numeric", "math", "json", "length", "python"] = "exact_match"
+    """`exact_match`: 1 when the stripped completion equals the record's `answer`; `regex`: 1 when `pattern`
+    matches the completion (a format reward); `numeric`: 1 when the last number in the completion equals the
+    answer's; `math`: 1 when math-verify finds the completion's answer equivalent to the record's; `json`: 1 when
+    the completion parses as JSON; `length`: 1 minus the distance to `target_length` characters over it, at
+    least 0; `python`: `function` (module:name) called with (completions, answers), returning floats."""
+
+    weight: float = 1.0
+    """Its weight in the summed reward."""
+
+    name: str | None = None
+    """The name it is logged under (default: its kind, with a number if several share one)."""
+
+    pattern: str | None = None
+    """`regex`: the pattern searched for in the completion."""
+
+    target_length: int | None = Field(None, gt=0)
+    """`length`: the completion length (characters) that gets the full reward."""
+
+    function: str | None = None
+    """`python`: `package.module:function`, imported only with `--allow-reward-code`."""
+
+    @model_validator(mode="after")
+    def _settings_of_its_kind(self) -> RewardSpec:
+        needs = {"regex": "pattern", "length": "target_length", "python": "function"}
+        wanted = needs.get(self.kind)
+        if wanted is not None and getattr(self, wanted) is None:
+            raise ValueError(f"a {self.kind} reward needs `{wanted}`")
+        for name in set(needs.values()) - {wanted}:
+            if getattr(self, name) is not None:
+                raise ValueError(f"`{name}` applies to a {next(k for k, v in needs.items() if v == name)} reward")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {self.pattern!r} is not a regular expression ({exc})") from None
+        if self.function is not None and not re.fullmatch(r"[\w.]+:\w+", self.function):
+            raise ValueError(f"function {self.function!r}: write it as package.module:function")
+        return self
+
+
+class RLConfig(Section):
+    """Group-relative policy optimisation: each prompt's completions are sampled from the policy, rewarded, and
+    each is weighted by how it compares with its group's."""
+
+    generations: int = Field(8, ge=2)
+    """Completions sampled per prompt (a group)."""
+
+    max_completion_tokens: int = Field(256, gt=0)
+    """Longest completion; one that reaches it unfinished is truncated (see `mask_truncated`)."""
+
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo", "rloo"] = "dapo"
+    """How the per-token terms are averaged: `dapo` over every completion token of the step (TRL's default),
+    `grpo` per completion then over completions, `dr_grpo` over completions of the longest allowed length, `gspo`
+    with one clipped ratio per completion, `rloo` with the leave-one-out baseline."""
+
+    epsilon_low: float = Field(0.2, ge=0, lt=1)
+    """The ratio is clipped below at 1 - epsilon_low."""
+
+    epsilon_high: float = Field(0.28, ge=0)
+    """And above at 1 + epsilon_high (DAPO's clip-higher)."""
+
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantages divided by the group's reward standard deviation, the whole batch's, or left as differences
+    from the group's mean (Dr. GRPO)."""
+
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty against the reference (the base with its adapters disabled); 0 computes none."""
+
+    mask_truncated: bool = False
+    """Completions cut at `max_completion_tokens` train nothing (DAPO's overlong filtering)."""
+
+    updates_per_rollout: Literal[1] = 1
+    """Optimizer steps per rollout batch (one: the ratio is one and its clipping idle at each step's update)."""
+
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec()])
+    """The rewards summed (with their weights) into each completion's; each is logged on its own."""
+
+    @field_validator("rewards")
+    @classmethod
+    def _some_reward(cls, value: list[RewardSpec]) -> list[RewardSpec]:
+        if not value:
+            raise ValueError("give at least one reward")
+        return value

@@ -1,0 +1,69 @@
+"""GRPO through the command users run: rollouts, rewards and updates in the one loop, their figures in
+metrics.jsonl and samples.jsonl, python rewards only on the command line's word, and 2 ranks under ZeRO-3 with
+offload and FSDP2 whose completions end at different lengths finishing together."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ENGINES, launch, metrics, train_here
+
+CONFIG = """\
+model: {{architecture: llama, tokenizer: bytes, size: {{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,
+  num_attention_heads: 4}}}}
+data: {{train_files: [prompts.jsonl], template: {{instruction: "{{input}}\\n", sep: "\\n", stop_words: {stops}}},
+  max_length: 48, cache_dir: null}}
+train: {{objective: grpo, lr: 1.0e-3, micro_batch_size: 2, max_steps: 3, warmup_steps: 0, precision: fp32}}
+rl: {{generations: 4, max_completion_tokens: {completion}, rewards: [{{kind: exact_match}}, {{kind: length,
+  target_length: 6, weight: 0.5}}]}}
+checkpoint: {{every_steps: 0}}
+log: {{every_steps: 1, progress: lines}}
+"""
+
+
+def write_job(directory: Path, completion: int = 12) -> Path:
+    records = [{"prompt": f"#{i:02x}{i:02x}00", "answer": f"({i}, {i}, 0)"} for i in range(16)]
+    (directory / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    # Many one-byte stop words: the random model's completions end at scattered lengths.
+    stops = json.dumps(list("0123456789abcdefghijklmnopqrstuvwxyz"))
+    (directory / "cfg.yaml").write_text(CONFIG.format(completion=completion, stops=stops))
+    return directory / "cfg.yaml"
+
+
+@pytest.mark.slow
+def test_a_grpo_run_reports_its_rollouts(tmp_path):
+    result = train_here(write_job(tmp_path), tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert {"reward", "reward_std", "reward/exact_match", "reward/length", "frac_reward_zero_std"} <= record.keys()
+        assert {"completion_length", "completion_length_max", "truncated", "clip_ratio", "kl"} <= record.keys()
+        assert 0 < record["completion_length"] <= 12 and record["clip_ratio"] == 0  # one update per rollout
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").open()]
+    assert {s["step"] for s in samples} == {1, 2, 3} and all("reward" in s and "reply" in s for s in samples)
+    assert "reward" in result.stdout  # on the progress lines
+
+
+@pytest.mark.slow
+def test_a_python_reward_needs_the_command_lines_permission(tmp_path):
+    config = write_job(tmp_path)
+    config.write_text(config.read_text().replace("{kind: exact_match}", "{kind: python, function: 'json:dumps'}"))
+    refused = train_here(config, tmp_path / "run")
+    assert refused.returncode != 0 and "runs code; pass --allow-reward-code" in refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["zero3_offload", "fsdp"])
+def test_two_ranks_whose_completions_end_apart_finish_together(tmp_path, engine):
+    """Sampled completions end at different lengths on each rank; under sharded weights every generation step is
+    a collective, so a rank that stopped early would leave the other waiting forever."""
+    config = write_job(tmp_path, completion=16)
+    result = launch(config, tmp_path / "two", "train.micro_batch_size=1", *ENGINES[engine], ranks=2, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not (tmp_path / "two" / "diagnostics" / "report.txt").exists()
+    records = metrics(tmp_path / "two")
+    assert len(records) == 3 and all(r["completion_length_max"] > r["completion_length"] for r in records)
