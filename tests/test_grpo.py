@@ -209,3 +209,9 @@ def test_a_rollout_turns_each_prompt_into_its_groups_rows(tokenizer):
     assert {"reward", "reward_std", "reward/length", "frac_reward_zero_std", "completion_length"} <= made.figures.keys()
     loss, metrics = policy.evaluate(rows, None)
     assert torch.isfinite(loss) and float(metrics["clip_ratio"]) == 0
+
+
+def test_the_math_reward_compares_answers_by_value():
+    (reward,) = build_rewards([RewardSpec(kind="math")])
+    completions = ["so the answer is $\\frac{1}{2}$", "x = 0.5", "it is 3", "no idea"]
+    assert reward.score(completions, ["0.5", "$\\frac{1}{2}$", "4", "1"]) == [1.0, 1.0, 0.0, 0.0]

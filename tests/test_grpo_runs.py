@@ -67,3 +67,31 @@ def test_two_ranks_whose_completions_end_apart_finish_together(tmp_path, engine)
     assert not (tmp_path / "two" / "diagnostics" / "report.txt").exists()
     records = metrics(tmp_path / "two")
     assert len(records) == 3 and all(r["completion_length_max"] > r["completion_length"] for r in records)
+
+
+@pytest.mark.slow
+def test_killed_then_resumed_equals_uninterrupted_rollouts_included(tmp_path):
+    """The sampling draws from the run's generators, which step checkpoints save: a resumed run samples the
+    completions the uninterrupted one did, so its rewards and losses are the same."""
+    config = write_job(tmp_path)
+    extra = ("train.max_steps=4", "checkpoint.every_steps=2")
+    whole = launch(config, tmp_path / "whole", *extra)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = launch(config, tmp_path / "run", *extra, fault="kill:0:3")
+    assert killed.returncode != 0
+    resumed = launch(config, tmp_path / "run", *extra, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    keys = ("loss", "reward", "completion_length")
+    assert [[r[k] for k in keys] for r in metrics(tmp_path / "run")] == [
+        [r[k] for k in keys] for r in metrics(tmp_path / "whole")
+    ]
+
+
+@pytest.mark.slow
+def test_the_kl_to_the_adapters_off_reference_starts_at_zero(tmp_path):
+    config = write_job(tmp_path)
+    lora = "model.lora={r: 4, alpha: 8, dropout: 0.0}"
+    result = train_here(config, tmp_path / "run", lora, "rl.kl_coef=0.1", "train.lr=1.0e-2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    kl = [record["kl"] for record in metrics(tmp_path / "run")]
+    assert kl[0] == 0 and kl[-1] > 0  # the adapters start at zero (policy = reference), then move away

@@ -390,12 +390,15 @@ def _data(args: argparse.Namespace) -> int:
     from tuneforge.data.loader import padding_by_strategy
     from tuneforge.data.pipeline import prepare_data
     from tuneforge.data.preview import show
+    from tuneforge.data.prompts import room_for
     from tuneforge.data.report import format_report, nothing_trains
     from tuneforge.model.build import build_tokenizer
     from tuneforge.train.vision import data_view
 
     tokenizer, template, images = data_view(config, build_tokenizer(config.model))
-    prepared = prepare_data(config.data, tokenizer, template, pairs=config.paired, images=images)
+    prepared = prepare_data(
+        config.data, tokenizer, template, pairs=config.paired, images=images, prompt_room=room_for(config)
+    )
     if args.data_command == "preview":
         if len(prepared.train.data) == 0:
             print("\n".join(format_report(prepared.train.report)))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tuneforge.config import load_config
 from tuneforge.data.pipeline import prepare_data
+from tuneforge.data.prompts import room_for
 from tuneforge.doctor import FAIL, WARN, Check, doctor_engine, format_checks, run_checks
 from tuneforge.errors import UserError
 from tuneforge.estimate import ACCELERATORS
@@ -39,7 +40,7 @@ def doctor_checks(
     if tokenizer is not None:
         try:
             tokenizer, template, images = data_view(config, tokenizer)
-            data = prepare_data(config.data, tokenizer, template, 0, 1, config.paired, images)
+            data = prepare_data(config.data, tokenizer, template, 0, 1, config.paired, images, room_for(config))
             num_samples = data.training_units(config.paired)
         except UserError as exc:
             if model_config is None:

@@ -99,3 +99,10 @@ def prompt_room(max_length: int, max_completion_tokens: int) -> int:
             f"({max_completion_tokens}); raise data.max_length"
         )
     return room
+
+
+def room_for(cfg) -> int | None:
+    """The prompts' room of a run (`cfg`: a Config) whose objective learns from prompts; None for other data."""
+    if not cfg.objective.prompted:
+        return None
+    return prompt_room(cfg.data.max_length, cfg.rl.max_completion_tokens)

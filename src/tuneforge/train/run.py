@@ -18,7 +18,7 @@ from tuneforge.config import Config, dump_config
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.loader import make_planner, padding_by_strategy
 from tuneforge.data.pipeline import PreparedData, prepare_data
-from tuneforge.data.prompts import prompt_room
+from tuneforge.data.prompts import room_for
 from tuneforge.data.report import format_report, nothing_trains
 from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.recorder import RECORDER
@@ -335,8 +335,7 @@ def load_data(
     """Tokenized (or cached) splits with their reports printed; no trainable sample left is an error."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))  # the ranks on this node
     images = vision.tokens if vision is not None else None
-    room = prompt_room(cfg.data.max_length, cfg.rl.max_completion_tokens) if cfg.objective.prompted else None
-    data = prepare_data(cfg.data, tokenizer, template, info.local_rank, local_ranks, cfg.paired, images, room)
+    data = prepare_data(cfg.data, tokenizer, template, info.local_rank, local_ranks, cfg.paired, images, room_for(cfg))
     for split in (data.train, data.validation):
         if split is not None:
             split.report.padding = padding_by_strategy(split.data, cfg.train.micro_batch_size, cfg.data.max_length)
