@@ -41,7 +41,7 @@ class VisionRun:
 def refusals(cfg: Config) -> list[str]:
     """What a vision-language run cannot do yet, each naming its setting."""
     problems = []
-    if cfg.paired:
+    if cfg.paired or cfg.objective.prompted:
         problems.append(f"train.objective={cfg.train.objective}: vision-language models train with sft for now")
     if cfg.parallel.sequence_parallel > 1:
         problems.append("parallel.sequence_parallel: vision-language rows are not split across ranks; set it to 1")
