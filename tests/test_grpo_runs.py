@@ -41,7 +41,14 @@ def test_a_grpo_run_reports_its_rollouts(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         assert {"reward", "reward_std", "reward/exact_match", "reward/length", "frac_reward_zero_std"} <= record.keys()
-        assert {"completion_length", "completion_length_max", "truncated", "clip_ratio", "kl"} <= record.keys()
+        assert {
+            "completion_length",
+            "completion_length_max",
+            "truncated",
+            "clip_ratio",
+            "kl",
+            "rollout_s",
+        } <= record.keys()
         assert 0 < record["completion_length"] <= 12 and record["clip_ratio"] == 0  # one update per rollout
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").open()]
     assert {s["step"] for s in samples} == {1, 2, 3} and all("reward" in s and "reply" in s for s in samples)

@@ -371,12 +371,13 @@ def test_qlora_quantizes_the_language_model_alone(llava_dir):
 def test_a_moe_language_model_gets_its_experts_adapters_and_balance_loss(tmp_path):
     """Qwen3-VL-MoE: the MoE map, adapters on the stacked experts (grouped low-rank products) and the router
     balance loss are the language model's, as for a text MoE; a step trains them."""
-    from conftest import accumulate, single_engine
     from tuneforge.data.batching import collate
     from tuneforge.data.byte_tokenizer import build_byte_tokenizer
     from tuneforge.data.tokenize import TokenizedData
     from tuneforge.model.fresh_vision import fresh_vision_config, vision_tokenizer
     from tuneforge.model.router_balance import attach_router_balance
+
+    from conftest import accumulate, single_engine
 
     tokenizer = vision_tokenizer(build_byte_tokenizer(), "qwen3_vl_moe")
     torch.manual_seed(0)

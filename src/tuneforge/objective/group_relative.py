@@ -20,6 +20,7 @@ reference is the k3 estimator exp(ref - logp) - (ref - logp) - 1, zero where the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -168,6 +169,7 @@ class GroupRelativePolicy(Objective):
         settings = self.settings
         built, local = [], _Figures(len(self.rewards))
         samples = []
+        started = time.monotonic()
         for batch in micro_batches:
             prompts = [
                 row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
@@ -199,6 +201,7 @@ class GroupRelativePolicy(Objective):
                     {"prompt": self.tokenizer.decode(prompts[0]), "reply": text, "reward": float(value)}
                     for text, value in zip(texts, total.tolist()[: settings.generations], strict=False)
                 ]
+        local.seconds = time.monotonic() - started
         every = self.gather(local)
         figures = _Figures.combine(every, [r.name for r in self.rewards])
         # Each micro-batch's units over all ranks, known now that the completions are: the step's divisor.
@@ -297,6 +300,8 @@ class _Figures:
     truncated: int = 0
     rows: list[tuple[int, int]] = field(default_factory=list)
     """(trained completions, completion tokens trained) of each micro-batch."""
+    seconds: float = 0.0
+    """Wall time of this rank's rollout (generation and rewards)."""
 
     def __post_init__(self) -> None:
         self.per_reward = [0.0] * self.reward_count
@@ -326,4 +331,5 @@ class _Figures:
         figures["completion_length"] = sum(f.tokens for f in every) / count
         figures["completion_length_max"] = max(f.longest for f in every)
         figures["truncated"] = sum(f.truncated for f in every) / count
+        figures["rollout_s"] = max(f.seconds for f in every)  # the slowest rank's: the others wait for it
         return figures
