@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/pip install -q -e ".[dev,deepspeed,qlora,tensorboard,wandb,rl]"
+	$(VENV)/bin/pip install -q -e ".[dev,deepspeed,qlora,tensorboard,wandb,rl,eval]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -45,6 +45,17 @@ into the base weights (for QLoRA, into the dequantized 4-bit weights the adapter
 Both include the tokenizer, the training chat template as Jinja and the generation config."""
 
 
+EVAL_EXAMPLES = """examples:
+  tuneforge eval work_dirs/demo --tasks my_tasks/hex_rgb.yaml                   (a local task file: offline)
+  tuneforge eval work_dirs/lora/checkpoints/final --tasks hellaswag,arc_easy --limit 200
+  tuneforge eval exported/merged --tasks mmlu --out results/merged.json --base /models/base
+
+Scores the checkpoint (a full model, or an adapter applied in process) with lm-evaluation-harness
+(pip install 'tuneforge[eval]'), prompts in the chat template the run trained with, and its base beside
+it: an adapter's base with the adapters disabled (after checking they change the logits), else --base or
+the model the run started from. Results: --out (default WORK_DIR/eval/lm_eval.json), in the harness's
+layout, the base's under `base`."""
+
 GPU_CHOICES = ["h100", "h200", "a100-80gb", "a100-40gb", "l40s", "a10g", "l4"]
 """The keys of `estimate.hardware.ACCELERATORS`, written out so that `--help` does not import torch."""
 
@@ -160,6 +171,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--base", type=Path, help="base model of an adapter checkpoint (default: as recorded)")
     export.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="score a checkpoint and its base with lm-evaluation-harness tasks",
+        epilog=EVAL_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    evaluate.add_argument("target", type=Path, help="a checkpoint, a run's work dir (its final checkpoint) or a model")
+    evaluate.add_argument(
+        "--tasks", required=True, help="harness task names and local task YAML files, comma-separated"
+    )
+    evaluate.add_argument("--limit", type=_int_from(1), help="score the first N examples of each task")
+    evaluate.add_argument("--out", type=Path, help="JSON file to write (default: WORK_DIR/eval/lm_eval.json)")
+    evaluate.add_argument(
+        "--base", type=Path, help="the base model: an adapter's (default: as recorded), or the one to compare with"
+    )
+    evaluate.add_argument("--no-base", action="store_true", help="score the target alone")
+    evaluate.add_argument("--batch-size", type=_int_from(1), default=16, help="the harness's batch size (default 16)")
+    evaluate.add_argument("--device", help="e.g. cpu, cuda:0 (default: cuda when there is one, else cpu)")
+    evaluate.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="compute dtype of the weights (default fp32)"
+    )
+    evaluate.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
 
     data = commands.add_parser("data", help="check or preview the training data of a config")
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -470,6 +504,21 @@ def main(argv: list[str] | None = None) -> int:
 
             for line in export(args.checkpoint, args.out, args.merge, args.dtype, args.base, args.trust_remote_code):
                 print(line)
+        elif args.command == "eval":
+            from tuneforge.lm_eval_run import run_eval
+
+            run_eval(
+                args.target,
+                args.tasks,
+                args.limit,
+                args.out,
+                args.base,
+                not args.no_base,
+                args.batch_size,
+                args.device,
+                args.dtype,
+                args.trust_remote_code,
+            )
         elif args.command == "import-xtuner":
             _import_xtuner(args.config, args.deepspeed, args.nproc_per_node, args.out)
         elif args.command == "doctor":

@@ -258,6 +258,22 @@ class ExactMatchConfig(Section):
     """Prompts generated together."""
 
 
+class LmEvalConfig(Section):
+    tasks: list[str] = Field(min_length=1)
+    """lm-evaluation-harness task names and local task YAML files (absolute, or relative to the directory
+    tuneforge runs in), scored on the final checkpoint as `tuneforge eval WORK_DIR --tasks ...` does (needs
+    `pip install 'tuneforge[eval]'`)."""
+
+    limit: int | None = Field(None, ge=1)
+    """Score the first N examples of each task (None: all)."""
+
+    batch_size: int = Field(16, ge=1)
+    """The harness's batch size."""
+
+    base: bool = True
+    """Also score the model training started from, beside the trained one."""
+
+
 class EvalConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Validation loss every N optimizer steps, on all ranks, when there is a validation split (0: only at the
@@ -281,6 +297,10 @@ class EvalConfig(Section):
 
     exact_match: ExactMatchConfig | None = None
     """After training, greedy answers are compared to references; the accuracy goes to `eval.json`."""
+
+    lm_eval: LmEvalConfig | None = None
+    """After training, the final checkpoint is scored with lm-evaluation-harness tasks in the training chat
+    template, beside its base; the results go to `eval/lm_eval.json`."""
 
 
 class LogConfig(Section):

@@ -86,6 +86,10 @@ def run_training(cfg: Config, work_dir: Path, resume: str | None = None, archive
     (the newest complete step checkpoint of this work dir's run, if any) or a checkpoint path.
     `archive_previous`: a fresh run into a work dir with another run's outputs moves them aside first."""
     require_packages(cfg.log)  # a missing TensorBoard or W&B package is reported now, not after the model loads
+    if cfg.eval.lm_eval is not None:  # the harness and the local task files, said now too
+        from tuneforge.lm_eval_tasks import check_settings
+
+        cfg.eval.lm_eval.tasks = check_settings(cfg.eval.lm_eval)
     check_inputs(cfg, work_dir)  # every file and path the config names, before anything is loaded or written
     quiet_known_noise()
     info = init_distributed()
@@ -94,7 +98,12 @@ def run_training(cfg: Config, work_dir: Path, resume: str | None = None, archive
     engine_name = choose_engine(cfg.parallel.engine, info, cfg.parallel)
     lock_note = take_lock(work_dir) if info.is_main else ""
     try:
-        return _locked_run(cfg, work_dir, resume, archive_previous, info, engine_name, say, lock_note)
+        summary = _locked_run(cfg, work_dir, resume, archive_previous, info, engine_name, say, lock_note)
+        if cfg.eval.lm_eval is not None and info.is_main:  # in a process of its own, the work dir still held
+            from tuneforge.lm_eval_tasks import score_after_training
+
+            score_after_training(cfg.eval.lm_eval, work_dir, str(info.device), cfg.model.trust_remote_code)
+        return summary
     finally:
         if info.is_main:
             release_lock(work_dir)

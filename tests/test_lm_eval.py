@@ -1,0 +1,354 @@
+"""`tuneforge eval`: lm-evaluation-harness in process on a checkpoint, an adapter (checked to change the logits
+before it is scored), a merged or a base model, with local task files (offline) and the training chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tuneforge.errors import UserError
+
+from conftest import REPO, tiny_llama, train_here, tuneforge_here
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the optional extra tuneforge[eval]")
+
+HELD_OUT = REPO / "configs" / "data" / "hex_rgb_heldout.jsonl"
+DEMO_TEMPLATE = {
+    "system": "{system}\n",
+    "instruction": "{input}\n",
+    "suffix": "",
+    "suffix_as_eos": False,
+    "sep": "\n",
+    "stop_words": [],
+}
+"""The demo's inline template as its checkpoints record it in tuneforge.json."""
+
+CHOICE_TASK = """task: hex_rgb_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{messages[0].content}}}}"
+# The right triple first, then its complement (255 - each), each rotated: only a model that reads the hex picks it.
+doc_to_choice: "{{% set c = messages[1].content[1:-1].split(', ') %}}
+  {{% set d = [255 - c[0]|int, 255 - c[1]|int, 255 - c[2]|int] %}}{{{{ [
+  '(' ~ c[0] ~ ', ' ~ c[1] ~ ', ' ~ c[2] ~ ')', '(' ~ d[0] ~ ', ' ~ d[1] ~ ', ' ~ d[2] ~ ')',
+  '(' ~ c[1] ~ ', ' ~ c[2] ~ ', ' ~ c[0] ~ ')', '(' ~ d[2] ~ ', ' ~ d[0] ~ ', ' ~ d[1] ~ ')'] }}}}"
+doc_to_target: 0
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+"""A multiple-choice task on the demo's held-out colours (loglikelihoods): the demo learns it within 100 steps."""
+
+LIKELIHOOD_TASK = """task: hex_rgb_likelihood
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{messages[0].content}}}}"
+doc_to_target: "{{{{messages[1].content}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+"""
+"""The perplexity of each held-out answer after its prompt: a continuous number, equal only where the prompts,
+tokens and weights are."""
+
+
+def write_task(directory: Path, text: str, name: str) -> Path:
+    path = directory / f"{name}.yaml"
+    path.write_text(text.format(data=HELD_OUT), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """Nothing is fetched: the hub and datasets offline, the datasets cache in the test's directory."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def demo_tokenizer():
+    from tuneforge.data.byte_tokenizer import build_byte_tokenizer
+
+    return build_byte_tokenizer()
+
+
+def adapter_checkpoint(directory: Path, trained: bool) -> Path:
+    """A tiny Llama base and a LoRA adapter on it, written as training writes them; `trained`: its B matrices are
+    not zero (an adapter fresh from initialisation changes nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = demo_tokenizer()
+    base_dir, checkpoint = directory / "base", directory / "checkpoints" / "final"
+    base = tiny_llama(tokenizer)
+    base.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    base.name_or_path = str(base_dir)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    if trained:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.5)
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    (checkpoint / "tuneforge.json").write_text(json.dumps({"template": DEMO_TEMPLATE, "system": None}))
+    return checkpoint
+
+
+def test_tasks_are_harness_names_and_local_task_files(tmp_path, monkeypatch):
+    from tuneforge.lm_eval_tasks import parse_tasks
+
+    task = write_task(tmp_path, CHOICE_TASK, "hex")
+    monkeypatch.chdir(tmp_path)
+    assert parse_tasks(" hellaswag, hex.yaml ,arc_easy,") == ["hellaswag", str(task), "arc_easy"]
+    with pytest.raises(UserError, match=r"missing\.yaml: no such task file"):
+        parse_tasks("hellaswag,missing.yaml")
+    with pytest.raises(UserError, match="no task given"):
+        parse_tasks(" , ")
+
+
+def test_an_unknown_task_name_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    import lm_eval.tasks
+
+    from tuneforge.lm_eval_run import task_manager
+
+    write_task(tmp_path, CHOICE_TASK, "hex")
+    real = lm_eval.tasks.TaskManager
+    # The harness's own index of thousands of tasks takes seconds to build: this one holds the local task alone.
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **_: real(include_defaults=False, include_path=tmp_path))
+    assert "hex_rgb_choice" in task_manager(["hex_rgb_choice"]).task_index
+    with pytest.raises(UserError, match=r"hex_rgb_choise: not a task.*did you mean hex_rgb_choice"):
+        task_manager(["hex_rgb_choise"])
+
+
+def test_without_the_extra_the_command_names_it(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    result = tuneforge_here("eval", str(tmp_path), "--tasks", "hellaswag")
+    assert result.returncode == 2
+    assert "pip install 'tuneforge[eval]'" in result.stderr
+
+
+def test_results_go_to_the_runs_work_dir_or_to_out(tmp_path):
+    from tuneforge.lm_eval_run import run_directory
+
+    work_dir = tmp_path / "run"
+    (work_dir / "checkpoints" / "final").mkdir(parents=True)
+    (work_dir / "checkpoints" / "step-20").mkdir()
+    (work_dir / "config.yaml").write_text("model: {}\n")
+    assert run_directory(work_dir) == (work_dir / "checkpoints" / "final", work_dir)
+    assert run_directory(work_dir / "checkpoints" / "step-20") == (work_dir / "checkpoints" / "step-20", work_dir)
+    assert run_directory(tmp_path / "merged") == (tmp_path / "merged", None)
+    (work_dir / "checkpoints" / "final").rmdir()
+    with pytest.raises(UserError, match=r"no final checkpoint \(it has step-20\)"):
+        run_directory(work_dir)
+    (tmp_path / "merged").mkdir()
+    result = tuneforge_here("eval", str(tmp_path / "merged"), "--tasks", "hellaswag")
+    assert result.returncode == 2 and "pass --out FILE" in result.stderr
+
+
+def test_a_task_the_harness_cannot_build_is_refused_before_the_model_loads(tmp_path, offline, monkeypatch):
+    import tuneforge.trained
+
+    checkpoint = adapter_checkpoint(tmp_path, trained=True)
+    monkeypatch.setattr(tuneforge.trained, "load_trained", lambda *a, **k: pytest.fail("the model was loaded"))
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(CHOICE_TASK.format(data=tmp_path / "gone.jsonl"), encoding="utf-8")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("task: broken\noutput_type: nonsense\n", encoding="utf-8")
+    for task, said in ((missing, "FileNotFoundError: Unable to find"), (broken, "invalid output_type 'nonsense'")):
+        result = tuneforge_here("eval", str(checkpoint), "--tasks", str(task), "--out", str(tmp_path / "out.json"))
+        assert result.returncode == 2 and "error: lm-evaluation-harness: " in result.stderr and said in result.stderr
+
+
+def test_prompts_are_rendered_in_the_training_template(offline):
+    """What the harness feeds the model for a task's prompt is what training put before the answer."""
+    from tuneforge.data.conversation import prompt_conversation
+    from tuneforge.data.templates import recorded_template
+    from tuneforge.export import attach_chat_template
+    from tuneforge.lm_eval_run import harness_model
+
+    tokenizer = demo_tokenizer()
+    attach_chat_template(tokenizer, {"template": DEMO_TEMPLATE})
+    lm = harness_model(tiny_llama(tokenizer), tokenizer, batch_size=1)
+    template = recorded_template(DEMO_TEMPLATE, Path("tuneforge.json"))
+    trained = template.render(prompt_conversation([], "#ff8800"), tokenizer, None)
+    assert lm.apply_chat_template([{"role": "user", "content": "#ff8800"}]) == trained == "<s>#ff8800\n"
+    assert lm.tok_encode(trained) == template.prompt_ids(prompt_conversation([], "#ff8800"), tokenizer, None)
+
+
+def test_an_adapter_that_changes_no_logit_is_refused(tmp_path, offline):
+    from tuneforge.lm_eval_run import run_eval
+
+    checkpoint = adapter_checkpoint(tmp_path, trained=False)
+    task = write_task(tmp_path, CHOICE_TASK, "hex")
+    with pytest.raises(UserError, match="the adapter changes no logit"):
+        run_eval(checkpoint, str(task), limit=4, out=tmp_path / "out.json", device="cpu")
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.trivial_process("lm-evaluation-harness records `git describe` and torch's collect_env in its results")
+def test_an_adapter_is_scored_applied_and_its_base_with_it_disabled(tmp_path, offline):
+    """The trained score is the adapter's (PEFT's own loading scores the same), the base score is the bare base
+    model's, and the file holds the harness's layout with the base beside it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tuneforge.export import attach_chat_template
+    from tuneforge.lm_eval_run import Model, Scoring, score, task_manager
+
+    checkpoint = adapter_checkpoint(tmp_path, trained=True)
+    task = write_task(tmp_path, CHOICE_TASK, "hex")
+    out = tmp_path / "out.json"
+    argv = ["eval", str(checkpoint), "--tasks", str(task), "--limit", "12", "--device", "cpu", "--out", str(out)]
+    result = tuneforge_here(*argv)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "chat template: the run's (inline), applied to every prompt as in training" in result.stdout
+    assert "adapter: applied in process; it changes the logits by up to" in result.stdout
+    assert "scoring the base: " in result.stdout and "the adapters disabled" in result.stdout
+    header = next(line for line in result.stdout.splitlines() if line.startswith("task"))
+    assert header.split() == ["task", "metric", "base", "trained", "change"]
+    written = json.loads(out.read_text())
+    assert {"results", "configs", "versions", "n-samples", "base", "tuneforge"} <= written.keys()
+    assert written["tuneforge"]["adapter_check"]["max_logit_change"] > 0
+    assert written["n-samples"]["hex_rgb_choice"]["effective"] == 12
+
+    tokenizer = demo_tokenizer()
+    attach_chat_template(tokenizer, {"template": DEMO_TEMPLATE})
+    scoring = Scoring([str(task)], 12, 16, True, task_manager([str(task)]))
+    bare = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    bare_result = score(Model(bare, tokenizer), scoring)
+    applied = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), checkpoint).eval()
+    applied_result = score(Model(applied, tokenizer), scoring)
+    for scored, by_hand in ((written["base"], bare_result), (written, applied_result)):
+        for key in ("acc,none", "acc_norm,none"):
+            assert scored["results"]["hex_rgb_choice"].get(key) == by_hand["results"]["hex_rgb_choice"].get(key)
+
+
+@pytest.mark.trivial_process("lm-evaluation-harness records `git describe` and torch's collect_env in its results")
+def test_a_base_model_without_a_recorded_template_is_scored_on_the_tasks_own_prompts(tmp_path, offline):
+    tokenizer = demo_tokenizer()
+    tiny_llama(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    task, out = write_task(tmp_path, CHOICE_TASK, "hex"), tmp_path / "out.json"
+    result = tuneforge_here("eval", str(tmp_path / "model"), "--tasks", str(task), "--limit", "4", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "chat template: none recorded (no tuneforge.json); prompts as the tasks write them" in result.stdout
+    assert "base: none to compare with" in result.stdout
+    assert next(line for line in result.stdout.splitlines() if line.startswith("task")).split()[2] == "score"
+    written = json.loads(out.read_text())
+    assert written["base"] is None and written["results"]["hex_rgb_choice"]["alias"] == "hex_rgb_choice"
+
+
+def test_eval_lm_eval_in_a_config_is_checked_before_training(tmp_path, monkeypatch):
+    """Its local task files are made absolute for the resolved config, a missing one stops the run before
+    anything loads, and the final checkpoint is scored by `tuneforge eval` with the settings given."""
+    from tuneforge.config import load_config
+    from tuneforge.config.load import describe_fields
+    from tuneforge.lm_eval_tasks import check_settings, eval_command
+
+    task = write_task(tmp_path, CHOICE_TASK, "hex")
+    monkeypatch.chdir(tmp_path)
+    config = load_config(REPO / "configs" / "demo.yaml", ["eval.lm_eval={tasks: [hex.yaml, arc_easy], limit: 40}"])
+    assert check_settings(config.eval.lm_eval) == [str(task), "arc_easy"]
+    assert config.eval.lm_eval.batch_size == 16 and config.eval.lm_eval.base is True
+    assert eval_command(config.eval.lm_eval, tmp_path / "run", "cuda:0")[1:] == [
+        *("-m", "tuneforge", "eval", str(tmp_path / "run"), "--tasks", "hex.yaml,arc_easy"),
+        *("--batch-size", "16", "--device", "cuda:0", "--limit", "40"),
+    ]
+    with pytest.raises(UserError, match=r"eval\.lm_eval\.tasks"):
+        load_config(REPO / "configs" / "demo.yaml", ["eval.lm_eval={tasks: []}"])
+    assert any(line.strip().startswith("eval.lm_eval.tasks (required)") for line in describe_fields())
+    result = train_here(REPO / "configs" / "demo.yaml", tmp_path / "run", "eval.lm_eval={tasks: [gone.yaml]}")
+    assert result.returncode == 2 and "--tasks: gone.yaml: no such task file" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_table_sets_base_and_trained_side_by_side():
+    from tuneforge.lm_eval_run import side_by_side
+
+    trained = {"results": {"hex": {"alias": "hex", "acc,none": 0.9, "acc_stderr,none": 0.03, "ppl,none": 2.5e9}}}
+    base = {"results": {"hex": {"alias": "hex", "acc,none": 0.375, "acc_stderr,none": 0.05, "ppl,none": 7e30}}}
+    lines = side_by_side(trained, base)
+    assert lines[0].split() == ["task", "metric", "base", "trained", "change"]
+    assert lines[1].split() == ["hex", "acc", "0.3750", "±", "0.0500", "0.9000", "±", "0.0300", "+0.5250"]
+    assert lines[2].split() == ["hex", "ppl", "7e+30", "2.5e+09", "-7e+30"]
+    assert side_by_side(trained, None)[0].split() == ["task", "metric", "score"]
+
+
+DEMO_OVERRIDES = [
+    "train.max_steps=100",
+    "train.warmup_steps=5",
+    "train.precision=fp32",
+    "checkpoint.every_steps=1000",
+    "eval.sample_prompts=[]",
+    "eval.exact_match=null",
+    "log.plot=false",
+]
+
+
+@pytest.mark.slow
+def test_the_demo_scores_higher_trained_and_as_the_harness_own_cli_scores_it(tmp_path, offline):
+    """The demo trained briefly with `eval.lm_eval`: at the end the local task's score has risen from the fresh
+    model the run started from to the final checkpoint, and `lm_eval run` on the merged export (the harness's own
+    CLI and loader, the template read from the export's tokenizer) gives the same scores."""
+    choice, likelihood = write_task(tmp_path, CHOICE_TASK, "choice"), write_task(tmp_path, LIKELIHOOD_TASK, "ll")
+    tasks = f"{choice},{likelihood}"
+    work_dir = tmp_path / "run"
+    settings = f"eval.lm_eval={{tasks: [{choice}, {likelihood}], limit: 40, batch_size: 40}}"
+    overrides = [*DEMO_OVERRIDES, settings, f"data.cache_dir={tmp_path}"]
+    trained = train_here(REPO / "configs" / "demo.yaml", work_dir, *overrides)
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+    print(trained.stdout[trained.stdout.index("eval.lm_eval: ") :])
+    written = json.loads((work_dir / "eval" / "lm_eval.json").read_text())
+    base_acc = written["base"]["results"]["hex_rgb_choice"]["acc,none"]
+    trained_acc = written["results"]["hex_rgb_choice"]["acc,none"]
+    assert trained_acc >= base_acc + 0.3, (base_acc, trained_acc)
+    assert written["tuneforge"]["base"] == "a fresh llama initialised from the run's config (seed 0)"
+    assert written["tuneforge"]["chat_template"].startswith("chat template: the run's (inline)")
+    assert re.search(r"^hex_rgb_choice +acc +0\.\d{4} ± 0\.\d{4} +0\.\d{4} ± 0\.\d{4} +\+0\.", trained.stdout, re.M)
+
+    merged = tmp_path / "merged"
+    exported = tuneforge_here("export", str(work_dir / "checkpoints" / "final"), "--out", str(merged), "--merge")
+    assert exported.returncode == 0, exported.stderr
+    cli_out = tmp_path / "cli.json"
+    command = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--tasks", tasks, "--apply_chat_template"]
+    command += ["--model_args", f"pretrained={merged},dtype=float32", "--device", "cpu", "--batch_size", "40"]
+    harness = subprocess.run(
+        [*command, "--limit", "40", "--output_path", str(cli_out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path)},
+    )
+    assert harness.returncode == 0, harness.stderr[-3000:]
+    cli = json.loads(next(cli_out.parent.rglob("cli*.json")).read_text())
+    for task, metric in (("hex_rgb_choice", "acc,none"), ("hex_rgb_likelihood", "perplexity,none")):
+        assert cli["results"][task][metric] == pytest.approx(written["results"][task][metric], rel=1e-6, abs=0)
