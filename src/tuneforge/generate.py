@@ -28,6 +28,17 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
     return text[:cut]
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of prompts padded on the left, so that every row ends where generation starts."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
 @torch.no_grad()
 def generate_replies(
     model: PreTrainedModel,
@@ -60,12 +71,8 @@ def generate_replies(
             pixels: dict = {}
             if images is not None:
                 ids, pixels = _with_images(images, batch, ids, device)
-            width = max(len(p) for p in ids)
-            input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
-            for row, prompt in enumerate(ids):
-                input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-                attention_mask[row, width - len(prompt) :] = 1
+            input_ids, attention_mask = left_padded(ids, tokenizer.pad_token_id)
+            width = input_ids.size(1)
             with autocast(precision, device):
                 output = model.generate(
                     input_ids=input_ids.to(device),
@@ -122,12 +129,8 @@ def sample_completions(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
+    input_ids, attention_mask = left_padded(prompts, pad_id)
+    width = input_ids.size(1)
     try:
         with autocast(precision, device):
             output = model.generate(
