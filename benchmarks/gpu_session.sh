@@ -5,6 +5,9 @@
 #   benchmarks/gpu_session.sh 1   versions, `make gpu-test`'s tests, the DeepSeek-V2-Lite step tables (<= 5.5 min)
 #   benchmarks/gpu_session.sh 2   the Llama-3-8B step tables, the train run, the expert adapters (<= 5.5 min)
 #   benchmarks/gpu_session.sh 3   loading a 4-bit MoE onto the GPU against staging it in host RAM (<= 2 min)
+#   benchmarks/gpu_session.sh 4   vision-language: a ~126M-parameter LLaVA, tuneforge packed against unpacked (and
+#                                 TRL's SFTTrainer where the machine has trl), 30 steps each: tokens/s, peak GPU
+#                                 memory (<= 4 min)
 #
 # It uses the machine's own python3 and torch. What that lacks (pydantic, bitsandbytes, the peft version CI
 # uses) travels as wheels in .whl/, which `benchmarks/gpu_wheels.sh` fills on a machine with network; .whl/
@@ -12,7 +15,7 @@
 # into /tmp/site, ahead of the machine's own packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART="${1:?usage: benchmarks/gpu_session.sh 1|2|3}"
+PART="${1:?usage: benchmarks/gpu_session.sh 1|2|3|4}"
 OUT="${OUT:-/tmp/tuneforge-gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src"
@@ -50,8 +53,14 @@ case "$PART" in
     3)
         timeout 110 python3 benchmarks/expert_staging.py --layers 3 2>&1 | tee "$OUT/staging.log"
         ;;
+    4)
+        # Pillow draws the corpus' pictures; TRL and datasets are optional (without them, tuneforge only).
+        python3 -c "import PIL" || { echo "part 4 needs Pillow" >&2; exit 1; }
+        timeout 230 python3 benchmarks/compare_trl_vlm.py --preset gpu --batch 16 --max-steps 30 \
+            --workspace /tmp/tuneforge-vlm 2>&1 | tee "$OUT/vlm.log"
+        ;;
     *)
-        echo "part $PART: 1, 2 or 3" >&2
+        echo "part $PART: 1, 2, 3 or 4" >&2
         exit 2
         ;;
 esac
