@@ -11,6 +11,7 @@ attention splits samples by) above the three rotary rows.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -56,9 +57,15 @@ def bidirectional_images(model: nn.Module) -> bool:
     )
 
 
-def _forward_parameters(model: nn.Module) -> set[str]:
+def _forward_parameters(model: nn.Module) -> frozenset[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return set(inspect.signature(base.forward).parameters)
+    return _parameters_of(type(base))
+
+
+@functools.cache
+def _parameters_of(model_class: type) -> frozenset[str]:
+    """The forward's parameter names, read once per class: this runs at every micro-step."""
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def _image_token(model: nn.Module) -> int | None:

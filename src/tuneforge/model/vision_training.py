@@ -19,9 +19,6 @@ from tuneforge.model.adapters import MoreAdapters, apply_lora, freeze_parameters
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.vision import LANGUAGE, PROJECTOR, TOWER, VisionParts
 
-LR_SCALE = "lr_scale"
-"""Optimizer group key: the group's learning rate as a multiple of the schedule's (a part's own rate)."""
-
 
 def settings_of(cfg: ModelConfig) -> VisionSettings:
     return cfg.vision if cfg.vision is not None else VisionSettings()
