@@ -23,7 +23,15 @@ demo-vlm: $(STAMP)
 	$(VENV)/bin/tuneforge train configs/demo_vlm.yaml
 	$(VENV)/bin/tuneforge chat work_dirs/demo_vlm/checkpoints/final --image configs/data/shapes/heldout_0000.png --prompt "Colour?"
 
-test: $(STAMP) lint
+# llama.cpp (llama-cpp-python, compiled here: about 3 minutes on 2 cores, cached by pip afterwards) for the tests
+# that load `export --format gguf` files with llama.cpp itself; the demo does not need it.
+LLAMACPP_STAMP := $(VENV)/.llamacpp
+LLAMACPP_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+$(LLAMACPP_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(VENV)/bin/pip install -q -e ".[llamacpp]"
+	touch $(LLAMACPP_STAMP)
+
+test: $(STAMP) $(LLAMACPP_STAMP) lint
 	$(VENV)/bin/pytest -q
 
 # The edit-test loop: everything but the tests marked slow (training runs, subprocesses, several ranks); a test

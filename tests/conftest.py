@@ -302,6 +302,26 @@ def rows_batch(data, indices: list[int], pad_id: int):
     return collate(data, [[i] for i in indices], pad_id, packed=False)
 
 
+TINY_DEEPSEEK_V2 = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+}
+"""Shapes of the tiny DeepSeek-V2 (MLA attention, routed and shared experts, the first layer dense)."""
+
+
 def tiny_deepseek_v2(tokenizer, seed: int = 0, attn_implementation: str = "sdpa"):
     """A tiny DeepseekV2 (MLA attention, routed + shared experts, first layer dense), native transformers code."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -309,21 +329,7 @@ def tiny_deepseek_v2(tokenizer, seed: int = 0, attn_implementation: str = "sdpa"
     torch.manual_seed(seed)
     config = DeepseekV2Config(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
+        **TINY_DEEPSEEK_V2,
         max_position_embeddings=256,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -346,6 +352,22 @@ def trainable(model, cfg, gradient_checkpointing: bool):
     from tuneforge.model.trainable import make_trainable
 
     return make_trainable(model, cfg, gradient_checkpointing, find_moe(model))
+
+
+def trained_lora(base, factors: str = "lora_B", **lora):
+    """`base` with LoRA adapters (rank 4, alpha 8, no dropout unless `lora` says otherwise) made trainable as
+    tuneforge does, their `factors` drawn at random so the adapter changes the model as a trained one does (PEFT
+    starts from B = 0, a no-op). Returns `make_trainable`'s (model, notes)."""
+    from tuneforge.config.schema import LoraSettings, ModelConfig
+
+    settings = LoraSettings(**{"r": 4, "alpha": 8, "dropout": 0.0, **lora})
+    model, notes = trainable(base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if factors in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    return model, notes
 
 
 def with_lora(model, settings):
@@ -415,3 +437,42 @@ def tiny_qwen3_moe(tokenizer, seed: int = 0):
         eos_token_id=tokenizer.eos_token_id,
     )
     return Qwen3MoeForCausalLM(config)
+
+
+DEMO_TEMPLATE = {
+    "system": "{system}\n",
+    "instruction": "{input}\n",
+    "suffix": "",
+    "suffix_as_eos": False,
+    "sep": "\n",
+    "stop_words": [],
+}
+"""The demo's inline template as its checkpoints record it in tuneforge.json."""
+
+
+def demo_tokenizer():
+    return build_byte_tokenizer()
+
+
+def adapter_checkpoint(directory: Path, trained: bool) -> Path:
+    """A tiny Llama base and a LoRA adapter on it, written as training writes them; `trained`: its B matrices are
+    not zero (an adapter fresh from initialisation changes nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = demo_tokenizer()
+    base_dir, checkpoint = directory / "base", directory / "checkpoints" / "final"
+    base = tiny_llama(tokenizer)
+    base.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    base.name_or_path = str(base_dir)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    if trained:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.5)
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    (checkpoint / "tuneforge.json").write_text(json.dumps({"template": DEMO_TEMPLATE, "system": None}))
+    return checkpoint

@@ -11,29 +11,9 @@ from tuneforge.data.templates import get_template
 from tuneforge.doctor import FAIL, PASS, WARN, check_environment, check_template, doctor_precision, run_checks
 from tuneforge.engines import EngineChoice
 
-from conftest import write_jsonl
+from conftest import TINY_DEEPSEEK_V2, write_jsonl
 
-DEEPSEEK = {
-    "architecture": "deepseek_v2",
-    "tokenizer": "bytes",
-    "size": {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 16,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "kv_lora_rank": 16,
-        "q_lora_rank": None,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 8,
-    },
-}
+DEEPSEEK = {"architecture": "deepseek_v2", "tokenizer": "bytes", "size": TINY_DEEPSEEK_V2}
 
 
 def config(**sections) -> Config:

@@ -10,13 +10,11 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tuneforge.config.schema import LoraSettings, ModelConfig
 from tuneforge.errors import UserError
 from tuneforge.model.moe import find_moe
-from tuneforge.model.trainable import make_trainable
 from tuneforge.train.checkpoint import write_model_files
 
-from conftest import tiny_deepseek_v2, tiny_mixtral, tiny_qwen3_moe
+from conftest import tiny_deepseek_v2, tiny_mixtral, tiny_qwen3_moe, trained_lora
 
 BUILDERS = {"deepseek_v2": tiny_deepseek_v2, "mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe}
 
@@ -28,15 +26,7 @@ def adapted(build, tokenizer, **lora):
     calls = []
     for block in find_moe(base):
         base.get_submodule(block.experts_path).register_forward_pre_hook(lambda *_: calls.append(1))
-    settings = LoraSettings(**{"r": 4, "alpha": 8, "dropout": 0.0, "experts": True, **lora})
-    model, notes = make_trainable(
-        base, ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False, find_moe(base)
-    )
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    model, notes = trained_lora(base, factors="lora_", experts=True, **lora)
     return model, notes[-1], calls
 
 

@@ -11,24 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tuneforge.errors import UserError
 
-from conftest import REPO, tiny_llama, train_here, tuneforge_here
+from conftest import DEMO_TEMPLATE, REPO, adapter_checkpoint, demo_tokenizer, tiny_llama, train_here, tuneforge_here
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the optional extra tuneforge[eval]")
 
 HELD_OUT = REPO / "configs" / "data" / "hex_rgb_heldout.jsonl"
-DEMO_TEMPLATE = {
-    "system": "{system}\n",
-    "instruction": "{input}\n",
-    "suffix": "",
-    "suffix_as_eos": False,
-    "sep": "\n",
-    "stop_words": [],
-}
-"""The demo's inline template as its checkpoints record it in tuneforge.json."""
 
 CHOICE_TASK = """task: hex_rgb_choice
 dataset_path: json
@@ -88,36 +78,6 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-
-
-def demo_tokenizer():
-    from tuneforge.data.byte_tokenizer import build_byte_tokenizer
-
-    return build_byte_tokenizer()
-
-
-def adapter_checkpoint(directory: Path, trained: bool) -> Path:
-    """A tiny Llama base and a LoRA adapter on it, written as training writes them; `trained`: its B matrices are
-    not zero (an adapter fresh from initialisation changes nothing)."""
-    from peft import LoraConfig, get_peft_model
-
-    tokenizer = demo_tokenizer()
-    base_dir, checkpoint = directory / "base", directory / "checkpoints" / "final"
-    base = tiny_llama(tokenizer)
-    base.save_pretrained(base_dir)
-    tokenizer.save_pretrained(base_dir)
-    base.name_or_path = str(base_dir)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    if trained:
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(0, 0.5)
-    model.save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
-    (checkpoint / "tuneforge.json").write_text(json.dumps({"template": DEMO_TEMPLATE, "system": None}))
-    return checkpoint
 
 
 def test_tasks_are_harness_names_and_local_task_files(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from tuneforge.train.checkpoint import save_checkpoint
 from tuneforge.train.run import run_training
 from tuneforge.trained import load_trained
 
-from conftest import chat, write_jsonl
+from conftest import TINY_DEEPSEEK_V2, chat, write_jsonl
 
 pytest.importorskip("bitsandbytes")
 
@@ -35,22 +35,12 @@ LLAMA = {
     "num_key_value_heads": 2,
 }
 DEEPSEEK_V2 = {
+    **TINY_DEEPSEEK_V2,
     "initializer_range": 0.2,
     "hidden_size": 64,
     "intermediate_size": 128,
     "moe_intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
     "kv_lora_rank": 24,
-    "q_lora_rank": None,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 8,
 }
 QLORA = {"bits": 4, "quant_type": "nf4", "double_quant": True, "compute_dtype": "float32"}
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0}

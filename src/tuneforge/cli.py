@@ -38,6 +38,8 @@ EXPORT_EXAMPLES = """examples:
   tuneforge export work_dirs/lora/checkpoints/final --out exported/adapter
   tuneforge export work_dirs/lora/checkpoints/final --out exported/merged --merge --dtype bf16
   tuneforge export work_dirs/lora/checkpoints/final --out exported/adapter --base /models/base
+  tuneforge export work_dirs/lora/checkpoints/final --out exported/gguf --format gguf --outtype q8_0
+  tuneforge export work_dirs/lora/checkpoints/final --out exported/vllm --for vllm
 
 Without --merge: a PEFT adapter directory (PeftModel.from_pretrained loads it onto its base).
 With --merge: a full model in safetensors that AutoModelForCausalLM.from_pretrained loads, adapters folded
@@ -171,6 +173,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--base", type=Path, help="base model of an adapter checkpoint (default: as recorded)")
     export.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
+    export.add_argument(
+        "--format",
+        choices=["hf", "gguf"],
+        default="hf",
+        help="hf: safetensors for transformers, vLLM, SGLang (default); gguf: one file for llama.cpp and Ollama, "
+        "adapters merged, with a Modelfile",
+    )
+    export.add_argument(
+        "--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16", help="GGUF weight type (default f16)"
+    )
+    export.add_argument(
+        "--for",
+        dest="server",
+        choices=["vllm", "sglang"],
+        help="an adapter in the layout that server's model class reads (experts one pair per expert where it "
+        "reads them so), with the training chat template as chat_template.jinja",
+    )
 
     evaluate = commands.add_parser(
         "eval",
@@ -499,6 +518,22 @@ def main(argv: list[str] | None = None) -> int:
                 args.trust_remote_code,
                 args.image,
             )
+        elif args.command == "export" and args.server is not None:
+            from tuneforge.serve_layout import export_for_server
+
+            if args.merge or args.format != "hf" or args.dtype:
+                raise UserError("export --for writes an adapter as it was trained: drop --merge, --format and --dtype")
+            for line in export_for_server(args.checkpoint, args.out, args.server, args.base, args.trust_remote_code):
+                print(line)
+        elif args.command == "export" and args.format == "gguf":
+            from tuneforge.gguf_export.export import export_gguf
+
+            if args.dtype:
+                raise UserError(
+                    "export --format gguf: the weight type is --outtype (f32, f16, bf16, q8_0), not --dtype"
+                )
+            for line in export_gguf(args.checkpoint, args.out, args.outtype, args.base, args.trust_remote_code):
+                print(line)
         elif args.command == "export":
             from tuneforge.export import export
 

@@ -172,6 +172,41 @@ def check_quantized_share(cfg: Config, skeleton: nn.Module | None) -> Check:
     return Check(name, PASS, detail)
 
 
+def has_no_place(skeleton: nn.Module, name: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether the weight `name` of a checkpoint has no module to load into: none of its parent paths is a module
+    with weights of its own (a stack's index past its length, or a top-level name the class lacks). Names the
+    loader converts (one key per expert into fused experts) still land in an existing module."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        module = modules.get(".".join(parts[:end]))
+        if module is not None:
+            return isinstance(module, nn.ModuleList | nn.ModuleDict)
+    return True
+
+
+def check_unloaded_weights(cfg: Config, skeleton: nn.Module | None) -> Check:
+    name = "weights not loaded"
+    path = Path(cfg.model.path) if cfg.model.path else None
+    if skeleton is None or path is None or not path.is_dir() or is_vision_model(cfg.model):
+        return Check(name, PASS, "not checked (no local text model checkpoint)")
+    from tuneforge.model.unloaded_weights import weight_map
+
+    modules = dict(skeleton.named_modules())
+    unloaded = sorted(key for key in weight_map(path) if has_no_place(skeleton, key, modules))
+    if not unloaded:
+        return Check(name, PASS, "every weight of model.path has a place in the model")
+    shown = ", ".join(unloaded[:3]) + (f" and {len(unloaded) - 3} more" if len(unloaded) > 3 else "")
+    return Check(
+        name,
+        WARN,
+        f"{len(unloaded)} weight(s) of model.path have no place in the {type(skeleton).__name__} transformers "
+        f"builds ({shown}): they will not train; full-model checkpoints and merged exports carry them unchanged, "
+        "a GGUF export is refused",
+        "nothing, if they are a head you do not train (multi-token prediction); otherwise use a model class "
+        "that has them",
+    )
+
+
 def check_remote_code(cfg: Config, model_config: Path | None = None) -> Check:
     name = "remote code"
     if not cfg.model.trust_remote_code or cfg.model.path is None:
@@ -602,6 +637,7 @@ def run_checks(
         check_qlora_storage(cfg, traits),
         check_quantized_share(cfg, skeleton),
         check_remote_code(cfg, model_config),
+        check_unloaded_weights(cfg, skeleton),
         check_expert_adapters(cfg, moe),
         check_expert_dropout(cfg, moe),
         check_quantized_expert_form(cfg, skeleton, moe),

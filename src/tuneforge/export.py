@@ -15,6 +15,7 @@ from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.model.portable_adapter import make_portable
+from tuneforge.model.unloaded_weights import UNLOADED_FILE, copy_unloaded, recall
 from tuneforge.model.vision import VisionParts
 from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, remove_entry, share_as_umask_allows
 from tuneforge.trained import (
@@ -163,6 +164,7 @@ def export(
     else:  # a reward model: transformers reads each conversation's score at its last token that is not the pad
         model.config.pad_token_id = trained.tokenizer.pad_token_id
     model.save_pretrained(tmp, safe_serialization=True)
+    carried = copy_unloaded(recall(trained.model), tmp)
     # A vision-language model's processor (image processor, tokenizer, chat template), for AutoProcessor.
     saved = trained.processor or trained.tokenizer
     note = attach_chat_template(trained.processor.tokenizer if trained.processor else trained.tokenizer, meta)
@@ -173,7 +175,10 @@ def export(
     kind = f"adapter {what}" if adapter else "full model"
     if scores:
         kind = f"reward model ({kind}; AutoModelForSequenceClassification)"
-    return [f"exported {kind}: {out} ({str(dtype).removeprefix('torch.')}, safetensors)", note]
+    lines = [f"exported {kind}: {out} ({str(dtype).removeprefix('torch.')}, safetensors)", note]
+    if carried:
+        lines.append(f"kept {recall(trained.model).describe()} unchanged, in {UNLOADED_FILE}")
+    return lines
 
 
 def _export_adapter(

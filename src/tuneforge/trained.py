@@ -32,6 +32,7 @@ from tuneforge.model.quantized_experts import (
     quantizable_experts,
     quantize_stacked_experts,
 )
+from tuneforge.model.unloaded_weights import load_keeping_unloaded, recall, remember
 from tuneforge.model.vision import is_vision_config
 from tuneforge.pickle_guard import refuse_unsafe_pickles, starts_as_zip
 from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta
@@ -171,9 +172,11 @@ def _load_base(
     head = {"num_labels": 1} if scored else {}
     vision = is_vision_checkpoint(path)
     if quantization is None:
-        return model_class(scored, vision).from_pretrained(path, dtype=torch.float32, trust_remote_code=remote, **head)
+        options = {"dtype": torch.float32, "trust_remote_code": remote, **head}
+        return load_keeping_unloaded(model_class(scored, vision), path, **options)
     settings = QuantizationConfig.model_validate(quantization)
-    model = model_class(scored, vision).from_pretrained(
+    model = load_keeping_unloaded(
+        model_class(scored, vision),
         path,
         dtype=torch.float32,
         trust_remote_code=remote,
@@ -185,8 +188,10 @@ def _load_base(
         _quantize_experts_as_trained(model, settings, adapter_meta.get(QUANTIZED_EXPERTS), path)
     if dequantize:
         # The exact values the adapter was trained against, as plain float32 weights.
+        unloaded = recall(model)
         model = model.dequantize()
         dequantize_stacked_experts(model)
+        remember(model, unloaded)
         return model
     keep_training_layout(model)  # the same kernels as in training, so chat answers as the samples did
     return model
@@ -246,8 +251,8 @@ def load_trained(
     if not is_adapter(checkpoint):
         scored = is_reward_model(checkpoint)
         with loading("model", checkpoint):
-            model = model_class(scored, processor is not None).from_pretrained(
-                checkpoint, dtype=torch.float32, trust_remote_code=remote
+            model = load_keeping_unloaded(
+                model_class(scored, processor is not None), checkpoint, dtype=torch.float32, trust_remote_code=remote
             )
         return Trained(model.eval(), tokenizer, meta, None, processor)
     base_path = adapter_base(checkpoint, base)

@@ -14,23 +14,26 @@ import string
 from tuneforge.data.templates import PromptTemplate
 
 
-def _literal(text: str) -> str:
+def literal(text: str) -> str:
+    """`text` printed by a template action: a JSON string is a string literal to Jinja and to Go's text/template
+    alike (the same escapes), and an action keeps the template's whitespace trimming off it."""
     return "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""
 
 
-def _fill(pattern: str, fields: dict[str, str]) -> str:
-    """A `str.format` pattern as Jinja output: literal text, and each `{field}` as the given expression."""
+def fill(pattern: str, fields: dict[str, str]) -> str:
+    """A `str.format` pattern as template output (Jinja's or Go's): literal text, and each `{field}` as the given
+    expression."""
     out = []
-    for literal, field, _spec, _conv in string.Formatter().parse(pattern):
-        out.append(_literal(literal))
+    for text, field, _spec, _conv in string.Formatter().parse(pattern):
+        out.append(literal(text))
         if field is not None:
             out.append("{{ " + fields[field] + " }}")
     return "".join(out)
 
 
 def to_jinja(template: PromptTemplate, default_system: str | None) -> str:
-    system_block = _fill(template.system, {"system": "system"})
-    instruction = _fill(template.instruction, {"input": "ns.pending", "round": "ns.round"})
+    system_block = fill(template.system, {"system": "system"})
+    instruction = fill(template.instruction, {"input": "ns.pending", "round": "ns.round"})
     eos = "" if template.suffix_as_eos else "{{ eos_token }}"
     after_reply = "false" if template.suffix_as_eos else "true"
     return (
@@ -48,7 +51,7 @@ def to_jinja(template: PromptTemplate, default_system: str | None) -> str:
         "{%- set ns.system = '' -%}{%- set ns.pending = '' -%}"
         "{%- endif -%}"
         "{%- elif message['role'] == 'assistant' -%}"
-        "{{ message['content'] }}" + _literal(template.suffix) + eos + _literal(template.sep) + ""
+        "{{ message['content'] }}" + literal(template.suffix) + eos + literal(template.sep) + ""
         "{%- set ns.bos = " + after_reply + " -%}"
         "{%- endif -%}"
         "{%- endfor -%}"

@@ -46,6 +46,7 @@ from tuneforge.model.staging import (
     choose_staging,
     device_load_bytes,
 )
+from tuneforge.model.unloaded_weights import load_keeping_unloaded, recall
 from tuneforge.model.vision import VisionParts, is_vision_config, is_vision_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -188,7 +189,7 @@ def _load(
         options["quantization_config"] = bitsandbytes_config(cfg.quantization, sharded_engine)
         options["device_map"] = {"": "cpu" if staging == "host" else device}
     try:
-        model = model_class(scalar_head, vision).from_pretrained(path, trust_remote_code=remote, **options)
+        model = load_keeping_unloaded(model_class(scalar_head, vision), path, trust_remote_code=remote, **options)
     except OSError as exc:
         raise UserError(f"model.path: cannot load a model from {path!r} ({exc})") from None
     except ValueError as exc:
@@ -302,6 +303,9 @@ def build_model(
     else:
         check_model_code(cfg)
         model = _load(cfg.path, cfg, info.device, sharded_engine, info, scalar_head)
+        if info.is_main and (unloaded := recall(model)) is not None:
+            kept = "the base keeps them" if cfg.lora is not None else "checkpoints and merged exports copy them"
+            print(f"model: {unloaded.describe()} in {cfg.path}: they do not train; {kept} unchanged")
     if cfg.vision is not None and cfg.vision.projector_weights is not None:
         parts = VisionParts.of(model)
         if parts is None:

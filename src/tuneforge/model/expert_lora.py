@@ -102,14 +102,18 @@ def _low_rank(wrapper: nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Ten
     PEFT lays the factors out as lora_A.weight (experts·r, in), rows grouped by expert, and lora_B.weight
     (out, r·experts), columns interleaved as r·experts + e, whether the weight is stored transposed or not
     (its in/out are then swapped)."""
-    experts = wrapper.num_experts
-    a = wrapper.lora_A[adapter].weight
-    b = wrapper.lora_B[adapter].weight
-    down = a.reshape(experts, -1, a.shape[-1]).transpose(1, 2)  # (E, in, r)
-    up = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0)  # (E, r, out)
+    down, up = expert_factors(wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight, wrapper.num_experts)
     # grouped_mm takes A's transposed view as it is; B's interleaved columns leave the expert stride at one
     # element, which its kernels refuse, so B is copied (rank-sized, not weight-sized).
     return down, up.contiguous(), wrapper.scaling[adapter]
+
+
+def expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's saved factors of a stacked weight, lora_A (experts·r, in) and lora_B (out, r·experts), as one
+    (in, r) and one (r, out) factor per expert (views)."""
+    down = a.reshape(experts, -1, a.shape[-1]).transpose(1, 2)  # (E, in, r)
+    up = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0)  # (E, r, out)
+    return down, up
 
 
 def grouped_experts_forward(

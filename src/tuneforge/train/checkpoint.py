@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tuneforge.errors import UserError, first_line
 from tuneforge.model.portable_adapter import make_portable
+from tuneforge.model.unloaded_weights import copy_unloaded, recall
 
 CHAT_META = "tuneforge.json"
 """Written beside the weights: the chat template and system prompt the model was trained with, and for an
@@ -43,7 +44,10 @@ def write_model_files(
         generation.eos_token_id = tokenizer.eos_token_id
         generation.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
-    note = make_portable(directory, model.get_base_model().config.model_type) if hasattr(model, "peft_config") else ""
+    adapter = hasattr(model, "peft_config")
+    note = make_portable(directory, model.get_base_model().config.model_type) if adapter else ""
+    if not adapter:  # an adapter's base keeps its own; a full model carries what transformers did not load
+        copy_unloaded(recall(model), directory)
     # A vision-language model's processor: its tokenizer, image processor and chat template, for
     # `AutoProcessor.from_pretrained`.
     (processor if processor is not None else tokenizer).save_pretrained(directory)
