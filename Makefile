@@ -6,7 +6,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-vlm test test-fast gpu-test lint format
+.PHONY: demo demo-vlm demo-grpo test test-fast gpu-test lint format
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 demo-vlm: $(STAMP)
 	$(VENV)/bin/tuneforge train configs/demo_vlm.yaml
 	$(VENV)/bin/tuneforge chat work_dirs/demo_vlm/checkpoints/final --image configs/data/shapes/heldout_0000.png --prompt "Colour?"
+
+# Online RL: an SFT warm start (700 steps), then 100 GRPO steps raise the held-out exact match (about 2 min).
+demo-grpo: $(STAMP)
+	$(VENV)/bin/tuneforge train configs/demo_grpo_sft.yaml
+	$(VENV)/bin/tuneforge train configs/demo_grpo.yaml
 
 # llama.cpp (llama-cpp-python, compiled here: about 3 minutes on 2 cores, cached by pip afterwards) for the tests
 # that load `export --format gguf` files with llama.cpp itself; the demo does not need it.

@@ -171,6 +171,13 @@ def test_prompts_are_prepared_with_their_answers_and_the_too_long_counted(tmp_pa
         assert data.train.report.drops.counts == {"longer than data.max_length": 1, "no answer": 1}
 
 
+def one_rank_policy(forward, settings: RLConfig, tokenizer, answers: list[str], target_length: int):
+    """GRPO as one process runs it, rewarding completions by their closeness to `target_length` characters."""
+    rewards = build_rewards([RewardSpec(kind="length", target_length=target_length)])
+    stops, stop_ids = [tokenizer.eos_token], [tokenizer.eos_token_id]
+    return GroupRelativePolicy(forward, settings, rewards, answers, tokenizer, stops, stop_ids, False, lambda v: [v])
+
+
 def test_a_rollout_turns_each_prompt_into_its_groups_rows(tokenizer):
     from tuneforge.objective.forward import TokenForward
 
@@ -183,17 +190,7 @@ def test_a_rollout_turns_each_prompt_into_its_groups_rows(tokenizer):
 
     data = TokenizedData.from_samples([(p, [IGNORE_INDEX] * len(p), f"p{i}") for i, p in enumerate(prompts)])
     batch = collate(data, [[0], [1]], tokenizer.pad_token_id, False)
-    policy = GroupRelativePolicy(
-        TokenForward(model, model, "fp32"),
-        settings,
-        build_rewards([RewardSpec(kind="length", target_length=4)]),
-        ["a", "b"],
-        tokenizer,
-        [tokenizer.eos_token],
-        [tokenizer.eos_token_id],
-        False,
-        lambda value: [value],
-    )
+    policy = one_rank_policy(TokenForward(model, model, "fp32"), settings, tokenizer, ["a", "b"], 4)
     torch.manual_seed(0)
     made = policy.prepare_step([batch])
     (rows,) = made.micro_batches
@@ -215,3 +212,85 @@ def test_the_math_reward_compares_answers_by_value():
     (reward,) = build_rewards([RewardSpec(kind="math")])
     completions = ["so the answer is $\\frac{1}{2}$", "x = 0.5", "it is 3", "no idea"]
     assert reward.score(completions, ["0.5", "$\\frac{1}{2}$", "4", "1"]) == [1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-output-layer", "model-logits"])
+def test_the_loss_takes_log_probabilities_at_the_sampling_temperature(tokenizer, fuse):
+    """Completions sampled at temperature T come from softmax(logits / T); the policy gradient is taken under that
+    distribution (as TRL does), not the untempered one, through both ways the log-probabilities are computed."""
+    from tuneforge.data.tokenize import TokenizedData
+    from tuneforge.model.attention import model_inputs
+    from tuneforge.objective.forward import TokenForward
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(tokenizer)
+    temperature = 0.5
+    settings = RLConfig(generations=4, max_completion_tokens=5, temperature=temperature, loss_type="dapo")
+    prompt = tokenizer("#00ff00\n", add_special_tokens=False)["input_ids"]
+    data = TokenizedData.from_samples([(prompt, [IGNORE_INDEX] * len(prompt), "p0")])
+    batch = collate(data, [[0]], tokenizer.pad_token_id, False)
+    policy = one_rank_policy(TokenForward(model, model, "fp32", fuse=fuse), settings, tokenizer, ["a"], 3)
+    torch.manual_seed(0)
+    (rows,) = policy.prepare_step([batch]).micro_batches
+    rows.advantages = torch.tensor([1.0, -0.5, 0.3, -0.8])  # some advantage to follow, whatever was sampled
+    loss, _ = policy.evaluate(rows, None)
+    loss.backward()
+    got = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logits = model(**model_inputs(model, rows, torch.device("cpu"))).logits / temperature
+    mask = rows.targets != IGNORE_INDEX
+    log_probs = torch.log_softmax(logits, dim=-1).gather(2, rows.targets.clamp(min=0)[..., None]).squeeze(2)[mask]
+    completion = torch.arange(rows.targets.size(0))[:, None].expand_as(mask)[mask]
+    (-(rows.advantages[completion] * log_probs).sum()).backward()  # dapo at ratio one: -sum of A x log p
+    torch.testing.assert_close(got, model.lm_head.weight.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_later_update_takes_its_ratio_against_the_sampling_policys_log_probs(tokenizer):
+    """With several updates per rollout the rollout keeps the sampling policy's log-probabilities; an update whose
+    policy gives its tokens more probability than that (ratio above 1 + epsilon_high) at a positive advantage is
+    clipped, and those tokens pass no gradient."""
+    from tuneforge.data.tokenize import TokenizedData
+    from tuneforge.objective.forward import TokenForward
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(tokenizer)
+    settings = RLConfig(generations=2, max_completion_tokens=4, updates_per_rollout=2, loss_type="dapo")
+    prompt = tokenizer("#00ff00\n", add_special_tokens=False)["input_ids"]
+    data = TokenizedData.from_samples([(prompt, [IGNORE_INDEX] * len(prompt), "p0")])
+    forward = TokenForward(model, model, "fp32")
+    policy = one_rank_policy(forward, settings, tokenizer, ["a"], 3)
+    torch.manual_seed(0)
+    (rows,) = policy.prepare_step([collate(data, [[0]], tokenizer.pad_token_id, False)]).micro_batches
+    with torch.no_grad():
+        current = forward.target_log_probs(rows)
+    torch.testing.assert_close(rows.old_log_probs, current)  # taken at the rollout, before any update
+    rows.advantages = torch.tensor([1.0, 1.0])
+    rows.old_log_probs = current - 0.5  # the policy has since raised every token's probability by e^0.5
+    loss, metrics = policy.evaluate(rows, None)
+    assert float(metrics["clip_ratio"]) == rows.num_targets  # every token clipped (a sum over tokens for dapo)
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-output-layer", "model-logits"])
+def test_the_entropy_figure_is_the_policys_at_the_completion_tokens(tokenizer, fuse):
+    from tuneforge.model.attention import model_inputs
+    from tuneforge.objective.forward import TokenForward
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(tokenizer)
+    ids = tokenizer(["#00ff00\n(0, 255, 0)", "#0000ff\n(0, 0, 255)"], add_special_tokens=False)["input_ids"]
+    from tuneforge.data.tokenize import TokenizedData
+
+    data = TokenizedData.from_samples([(row, list(row), f"r{i}") for i, row in enumerate(ids)])  # all trained
+    batch = collate(data, [[0, 1]], tokenizer.pad_token_id, False)
+    log_probs, entropy = TokenForward(model, model, "fp32", fuse=fuse).target_log_probs_and_entropy(batch, 0.7)
+    with torch.no_grad():
+        logits = model(**model_inputs(model, batch, torch.device("cpu"))).logits / 0.7
+    distribution = torch.log_softmax(logits, dim=-1)[batch.targets != IGNORE_INDEX]
+    expected = -(distribution.exp() * distribution).sum(dim=-1)
+    torch.testing.assert_close(entropy, expected, atol=1e-5, rtol=1e-5)
+    assert not entropy.requires_grad and log_probs.requires_grad

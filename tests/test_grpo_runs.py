@@ -47,9 +47,11 @@ def test_a_grpo_run_reports_its_rollouts(tmp_path):
             "truncated",
             "clip_ratio",
             "kl",
+            "entropy",
             "rollout_s",
         } <= record.keys()
         assert 0 < record["completion_length"] <= 12 and record["clip_ratio"] == 0  # one update per rollout
+        assert 0 < record["entropy"] < 6  # nats, at most log(260) for the byte vocabulary
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").open()]
     assert {s["step"] for s in samples} == {1, 2, 3} and all("reward" in s and "reply" in s for s in samples)
     assert "reward" in result.stdout  # on the progress lines
@@ -77,11 +79,13 @@ def test_two_ranks_whose_completions_end_apart_finish_together(tmp_path, engine)
 
 
 @pytest.mark.slow
-def test_killed_then_resumed_equals_uninterrupted_rollouts_included(tmp_path):
+@pytest.mark.parametrize("updates", [1, 2])
+def test_killed_then_resumed_equals_uninterrupted_rollouts_included(tmp_path, updates):
     """The sampling draws from the run's generators, which step checkpoints save: a resumed run samples the
-    completions the uninterrupted one did, so its rewards and losses are the same."""
+    completions the uninterrupted one did, so its rewards and losses are the same (a step holds all the updates
+    of its rollout, so a checkpoint never falls between them)."""
     config = write_job(tmp_path)
-    extra = ("train.max_steps=4", "checkpoint.every_steps=2")
+    extra = ("train.max_steps=4", "checkpoint.every_steps=2", f"rl.updates_per_rollout={updates}")
     whole = launch(config, tmp_path / "whole", *extra)
     assert whole.returncode == 0, whole.stderr[-3000:]
     killed = launch(config, tmp_path / "run", *extra, fault="kill:0:3")
@@ -102,3 +106,21 @@ def test_the_kl_to_the_adapters_off_reference_starts_at_zero(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     kl = [record["kl"] for record in metrics(tmp_path / "run")]
     assert kl[0] == 0 and kl[-1] > 0  # the adapters start at zero (policy = reference), then move away
+
+
+@pytest.mark.slow
+def test_later_updates_of_a_rollout_are_clipped_against_the_sampling_policy(tmp_path):
+    """Three updates per rollout at a large learning rate: the first of each step is at ratio one, the later ones
+    move the policy away from the one that sampled, so some tokens' ratios leave the clip range; the updates are
+    real optimizer steps (the weights end elsewhere than after one update per rollout)."""
+    config = write_job(tmp_path)
+    runs = {}
+    for updates in (1, 3):
+        work = tmp_path / f"updates{updates}"
+        result = train_here(config, work, "train.lr=0.05", f"rl.updates_per_rollout={updates}", "rl.epsilon_high=0.2")
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[updates] = metrics(work)
+    assert all(r["clip_ratio"] == 0 for r in runs[1])
+    assert any(r["clip_ratio"] > 0 for r in runs[3]), [r["clip_ratio"] for r in runs[3]]
+    # Step 1's rollout is the same in both (same weights, same generators); from step 2 the policies differ.
+    assert runs[1][0]["reward"] == runs[3][0]["reward"] and runs[1][0]["loss"] != runs[3][0]["loss"]

@@ -312,3 +312,17 @@ def test_the_demo_scores_higher_trained_and_as_the_harness_own_cli_scores_it(tmp
     cli = json.loads(next(cli_out.parent.rglob("cli*.json")).read_text())
     for task, metric in (("hex_rgb_choice", "acc,none"), ("hex_rgb_likelihood", "perplexity,none")):
         assert cli["results"][task][metric] == pytest.approx(written["results"][task][metric], rel=1e-6, abs=0)
+
+
+def test_local_task_files_in_a_config_are_beside_it_like_its_data(tmp_path, monkeypatch):
+    from tuneforge.config import load_config
+
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text("task: mine\n")
+    (tmp_path / "cfg.yaml").write_text(
+        "model: {architecture: llama, tokenizer: bytes}\ndata: {train_files: [x.jsonl]}\n"
+        "eval: {lm_eval: {tasks: [tasks/mine.yaml, hellaswag, elsewhere.yaml]}}\n"
+    )
+    monkeypatch.chdir(tmp_path.parent)  # not the config's folder
+    tasks = load_config(tmp_path / "cfg.yaml").eval.lm_eval.tasks
+    assert tasks == [str(tmp_path / "tasks" / "mine.yaml"), "hellaswag", "elsewhere.yaml"]

@@ -30,6 +30,8 @@ def test_the_catalogue_covers_the_models_people_train():
         "llama-3-8b-dpo-lora-1gpu",
         "llama-3-8b-dpo-full-fsdp-8gpu",
         "qwen3-30b-a3b-full-ep-8gpu",  # expert parallelism
+        "qwen2.5-7b-grpo-lora-1gpu",  # online RL
+        "qwen2.5-7b-grpo-full-fsdp-8gpu",
         # vision-language models
         "qwen2.5-vl-7b-lora-1gpu",
         "qwen3-vl-30b-a3b-lora-fsdp-8gpu",
@@ -121,3 +123,13 @@ def test_vision_language_recipes_are_sized_with_their_tower_and_images(capsys):
         assert isinstance(stage.data.template, TemplateConfig)
         assert stage.data.template.instruction == "USER: {input} ASSISTANT:"
         assert stage.data.system.startswith("A chat between a curious user and an artificial intelligence assistant")
+
+
+def test_grpo_recipes_are_sized_by_their_rollout_rows(capsys):
+    """A GRPO micro-batch of 4 prompts trains 4 x 8 rows of the prompt and a completion: the estimate counts those
+    (the rollout's KV cache fits inside the update's activations, so it adds no row)."""
+    assert main(["recipes", "show", "qwen2.5-7b-grpo-lora-1gpu", "--gpu", "h100"]) == 0
+    shown = capsys.readouterr().out
+    assert "PASS  memory estimate" in shown
+    assert "activations: 4 x 8 x 1536 (a prompt's completions) tokens, checkpointed" in shown
+    assert "rollout KV cache" not in shown

@@ -192,6 +192,13 @@ def _resolve_paths(config: Config, base: Path) -> Config:
         value = getattr(config.model, field)
         if value and value != "bytes" and _exists(base / value):
             setattr(config.model, field, _resolved(f"model.{field}", base / value))
+    if config.eval.lm_eval is not None:  # local task files beside the config, like its data; harness names as they are
+        config.eval.lm_eval.tasks = [
+            _resolved("eval.lm_eval.tasks", base / task)
+            if task.endswith((".yaml", ".yml")) and _exists(base / task)
+            else task
+            for task in config.eval.lm_eval.tasks
+        ]
     return config
 
 

@@ -90,8 +90,10 @@ class RLConfig(Section):
     mask_truncated: bool = False
     """Completions cut at `max_completion_tokens` train nothing (DAPO's overlong filtering)."""
 
-    updates_per_rollout: Literal[1] = 1
-    """Optimizer steps per rollout batch (one: the ratio is one and its clipping idle at each step's update)."""
+    updates_per_rollout: int = Field(1, ge=1, le=16)
+    """Optimizer updates on each step's rollout (PPO's epochs, TRL's `num_iterations`): the first at ratio one,
+    the later ones against the log-probabilities the sampling policy gave, clipped; one training step (one
+    rollout, one record, one learning rate) holds them all."""
 
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec()])
     """The rewards summed (with their weights) into each completion's; each is logged on its own."""

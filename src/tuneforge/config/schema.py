@@ -260,9 +260,9 @@ class ExactMatchConfig(Section):
 
 class LmEvalConfig(Section):
     tasks: list[str] = Field(min_length=1)
-    """lm-evaluation-harness task names and local task YAML files (absolute, or relative to the directory
-    tuneforge runs in), scored on the final checkpoint as `tuneforge eval WORK_DIR --tasks ...` does (needs
-    `pip install 'tuneforge[eval]'`)."""
+    """lm-evaluation-harness task names and local task YAML files (absolute, relative to the config file like its
+    data, or else to the directory tuneforge runs in), scored on the final checkpoint as `tuneforge eval WORK_DIR
+    --tasks ...` does (needs `pip install 'tuneforge[eval]'`)."""
 
     limit: int | None = Field(None, ge=1)
     """Score the first N examples of each task (None: all)."""

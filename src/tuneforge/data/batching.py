@@ -61,6 +61,9 @@ class MicroBatch:
     `ImageBatches.attach`; None for a text-only model."""
     advantages: torch.Tensor | None = None
     """Online RL's rollout rows: each row's completion advantage (one per row); None otherwise."""
+    old_log_probs: torch.Tensor | None = None
+    """Online RL's rollout rows, when a rollout serves several updates: log p(target) under the policy that
+    sampled them, in the order of `targets != IGNORE_INDEX`; None otherwise."""
 
     def __post_init__(self) -> None:
         if self.global_targets < 0:

@@ -174,6 +174,12 @@ def activation_rows(cfg: Config, s: ModelShapes, traits: EngineTraits, compute_b
     ]
     if s.vision is not None:
         rows.append(image_row(cfg, s.vision, compute_bytes))
+    if cfg.objective.prompted:
+        # The rollout's KV cache is freed before the update: only what it needs beyond the activations counts.
+        cache = tokens_micro * s.kv_per_token * compute_bytes
+        beyond = cache - sum(row.gpu for row in rows)
+        if beyond > 0:
+            rows.append(Row(f"rollout KV cache beyond the update's activations ({cache / GIB:.1f} GiB)", beyond))
     head_wrapped = cfg.model.lora is not None and "lm_head" in (cfg.model.lora.modules_to_save or [])
     if cfg.objective.scalar_head:  # a score head: one value per token, no vocabulary
         return rows

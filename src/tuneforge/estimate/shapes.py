@@ -61,6 +61,8 @@ class ModelShapes:
     """Trainable values of the routed experts (full fine-tuning): what expert parallelism shards."""
     moe_layers: int = 0
     top_k: int = 0
+    kv_per_token: int = 0
+    """Values a generated token's keys and values take in the KV cache, all layers (online RL's rollouts)."""
     """Experts each token is sent to, per MoE layer (the all-to-all's copies of it)."""
     vision: VisionShapes | None = None
     """A vision-language model's tower, projector and images; None for a text model."""
@@ -260,7 +262,21 @@ def model_shapes(cfg: Config, model: nn.Module, moe: MoEMap, compute_bytes: int)
         moe_layers=len(list(moe)),
         top_k=int(moe.top_k or 0),
         vision=vision,
+        kv_per_token=kv_cache_values(model.config.get_text_config()),
     )
+
+
+def kv_cache_values(config) -> int:
+    """Keys and values cached per token over all layers (DeepSeek's MLA as transformers caches it: each head's
+    decompressed key and value)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if getattr(config, "qk_nope_head_dim", None) is not None:
+        width = kv_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        width = 2 * kv_heads * head_dim
+    return config.num_hidden_layers * width
 
 
 def vision_shapes(
@@ -342,11 +358,17 @@ def frozen_copy(cfg: Config, s: ModelShapes) -> tuple[int, int]:
 
 
 def row_tokens(cfg: Config) -> int:
-    """Tokens of one micro-batch row at most: a sample, or a pair's two answers (which share a row)."""
+    """Tokens a micro-batch's sample takes at most: a sample, a pair's two answers (which share a row), or an
+    online-RL prompt's group (`rl.generations` rows of the prompt and a completion)."""
+    if cfg.objective.prompted:
+        return (cfg.data.max_length + cfg.rl.max_completion_tokens) * cfg.rl.generations
     return cfg.data.max_length * (2 if cfg.paired else 1)
 
 
 def row_label(cfg: Config) -> str:
+    if cfg.objective.prompted:
+        length = cfg.data.max_length + cfg.rl.max_completion_tokens
+        return f"{cfg.rl.generations} x {length} (a prompt's completions)"
     return f"{row_tokens(cfg)}" + (" (a pair's two answers)" if cfg.paired else "")
 
 

@@ -79,6 +79,9 @@ class Objective(abc.ABC):
     generates: bool = False
     """Whether `prepare_step` generates the step's data (a phase the watchdog watches as generation)."""
 
+    updates_per_step: int = 1
+    """Optimizer updates each step makes on its data (online RL's updates per rollout; one elsewhere)."""
+
     def prepare_step(self, micro_batches: list[MicroBatch]) -> StepData:
         """The step's training data from its planned micro-batches (every rank calls it at every step, alike):
         these as they are by default."""

@@ -14,7 +14,7 @@ from tuneforge.model.attention import model_inputs
 from tuneforge.model.precision import AUTOCAST_DTYPES, autocast
 from tuneforge.model.transfer import to_device
 from tuneforge.objective.fused_loss import linear_cross_entropy_sum, plain_output_layer
-from tuneforge.objective.log_probs import linear_target_log_probs
+from tuneforge.objective.log_probs import linear_target_log_probs, linear_target_log_probs_and_entropy
 
 
 class TokenForward:
@@ -72,25 +72,41 @@ class TokenForward:
         wanted = targets.reshape(-1).index_select(0, selected)
         return linear_cross_entropy_sum(hidden, weight, wanted, self.autocast_dtype or weight.dtype)
 
-    def target_log_probs(self, batch: MicroBatch) -> torch.Tensor:
+    def target_log_probs(self, batch: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+        return self.target_log_probs_and_entropy(batch, temperature, with_entropy=False)[0]
+
+    def target_log_probs_and_entropy(
+        self, batch: MicroBatch, temperature: float = 1.0, with_entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(target) at every labelled position, in the row-major order of `batch.targets != IGNORE_INDEX`
         (fp32). Through the chunked output layer where it is fused; else from the model's logits, a log-softmax
-        over the labelled rows only."""
+        over the labelled rows only. `temperature`: of the distribution completions were sampled from (logits
+        divided by it), which online RL's ratio and gradient are taken under. With `with_entropy`, also each
+        position's entropy of that distribution (no gradient; empty without it)."""
         selected = to_device((batch.targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1), self.device)
         wanted = to_device(batch.targets, self.device).reshape(-1).index_select(0, selected)
         inputs = model_inputs(self.plain, batch, self.device)
         with autocast(self.precision, self.device):
             if self.head is None:
                 logits = self.model(**inputs, use_cache=False).logits
-                rows = logits.reshape(-1, logits.size(-1)).index_select(0, selected).float()
-                return torch.log_softmax(rows, dim=-1).gather(1, wanted[:, None]).squeeze(1)
+                rows = logits.reshape(-1, logits.size(-1)).index_select(0, selected).float() / temperature
+                log_softmax = torch.log_softmax(rows, dim=-1)
+                entropy = torch.empty(0, device=rows.device)
+                if with_entropy:
+                    entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1).detach()
+                return log_softmax.gather(1, wanted[:, None]).squeeze(1), entropy
             outputs = self.model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
         weight = self.head.weight
         if isinstance(weight, DTensor):
             raise RuntimeError("the output layer's weight is still sharded after the forward; the fused loss needs it")
         hidden = outputs.hidden_states[-1]
         hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, selected)
-        return linear_target_log_probs(hidden, weight, wanted, self.autocast_dtype or weight.dtype)
+        if temperature != 1.0:
+            hidden = hidden / temperature  # (h / T) · W = (h · W) / T: the output layer is linear, without bias
+        compute = self.autocast_dtype or weight.dtype
+        if with_entropy:
+            return linear_target_log_probs_and_entropy(hidden, weight, wanted, compute)
+        return linear_target_log_probs(hidden, weight, wanted, compute), torch.empty(0, device=hidden.device)
 
 
 LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}

@@ -69,6 +69,8 @@ class PolicyLoss:
     """The clipped share summed over the units (tokens for `dapo`, else each completion's share of its tokens)."""
     kl: torch.Tensor
     """The KL estimate summed over the units likewise (zero without a reference)."""
+    entropy: torch.Tensor
+    """The policy's entropy at the completion tokens, summed over the units likewise (zero when not given)."""
 
 
 def policy_loss(
@@ -82,6 +84,7 @@ def policy_loss(
     max_completion_tokens: int,
     reference_log_probs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """Over the completion tokens of a micro-batch, flat: `log_probs` (with gradient), `old_log_probs` (the policy
     that sampled them) and `reference_log_probs` of each token, `completion` the index of its completion, and
@@ -110,16 +113,20 @@ def policy_loss(
         difference = reference_log_probs - log_probs
         per_token_kl = torch.exp(difference) - difference - 1
         per_token = per_token + kl_coef * per_token_kl
+    per_token_entropy = torch.zeros_like(log_probs) if entropy is None or not entropy.numel() else entropy.detach()
     if loss_type == "dapo":
-        return PolicyLoss(per_token.sum(), clipped.sum(), per_token_kl.detach().sum())
+        return PolicyLoss(per_token.sum(), clipped.sum(), per_token_kl.detach().sum(), per_token_entropy.sum())
     if loss_type == "dr_grpo":
         loss = per_token.sum() / max_completion_tokens
     elif loss_type in ("grpo", "rloo", "gspo"):
         loss = (by_completion(per_token) / per_completion).sum()
     else:
         raise ValueError(f"unknown loss type {loss_type!r}")
-    share = (by_completion(clipped) / per_completion).sum()
-    return PolicyLoss(loss, share, (by_completion(per_token_kl.detach()) / per_completion).sum())
+
+    def per_unit(values: torch.Tensor) -> torch.Tensor:
+        return (by_completion(values) / per_completion).sum()
+
+    return PolicyLoss(loss, per_unit(clipped), per_unit(per_token_kl.detach()), per_unit(per_token_entropy))
 
 
 class GroupRelativePolicy(Objective):
@@ -128,7 +135,7 @@ class GroupRelativePolicy(Objective):
     rows (prompt then completion, the completion's tokens the targets) with their advantages; the loss is the
     clipped policy gradient of `rl.loss_type` over them."""
 
-    metric_names = ("clip_ratio", "kl")
+    metric_names = ("clip_ratio", "kl", "entropy")
     generates = True
 
     def __init__(
@@ -157,6 +164,7 @@ class GroupRelativePolicy(Objective):
         self.gather = gather
         self.reference = reference
         self.token_unit = settings.loss_type in TOKEN_UNIT_LOSSES
+        self.updates_per_step = settings.updates_per_rollout
 
     def count(self, batch: MicroBatch) -> int:
         return batch.num_targets if self.token_unit else int(_trained_rows(batch).sum())
@@ -201,6 +209,11 @@ class GroupRelativePolicy(Objective):
                     {"prompt": self.tokenizer.decode(prompts[0]), "reply": text, "reward": float(value)}
                     for text, value in zip(texts, total.tolist()[: settings.generations], strict=False)
                 ]
+        if self.updates_per_step > 1:
+            # The later updates' ratios are against the policy that sampled: its log-probabilities, taken now.
+            with torch.no_grad():
+                for rows in built:
+                    rows.old_log_probs = self.forward.target_log_probs(rows, settings.temperature)
         local.seconds = time.monotonic() - started
         every = self.gather(local)
         figures = _Figures.combine(every, [r.name for r in self.rewards])
@@ -224,12 +237,15 @@ class GroupRelativePolicy(Objective):
     def evaluate(self, batch: MicroBatch, prepared: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert batch.advantages is not None, "grpo trains on rollout rows"
         settings = self.settings
-        log_probs = self.forward.target_log_probs(batch)
+        # At the sampling temperature: the distribution the completions came from.
+        log_probs, entropy = self.forward.target_log_probs_and_entropy(batch, settings.temperature)
         targets = batch.targets != IGNORE_INDEX
         completion = torch.arange(targets.size(0))[:, None].expand_as(targets)[targets]
+        # With one update per rollout the sampling policy is the current one: the ratio is one, its gradient kept.
+        old = log_probs.detach() if batch.old_log_probs is None else batch.old_log_probs.to(log_probs.device)
         result = policy_loss(
             log_probs,
-            log_probs.detach(),  # one update per rollout: the sampling policy is the current one
+            old,
             batch.advantages.to(log_probs.device, log_probs.dtype),
             completion.to(log_probs.device),
             settings.loss_type,
@@ -238,8 +254,9 @@ class GroupRelativePolicy(Objective):
             settings.max_completion_tokens,
             prepared,
             settings.kl_coef,
+            entropy,
         )
-        return result.loss, {"clip_ratio": result.clipped, "kl": result.kl}
+        return result.loss, {"clip_ratio": result.clipped, "kl": result.kl, "entropy": result.entropy}
 
 
 def _trained_rows(batch: MicroBatch) -> torch.Tensor:

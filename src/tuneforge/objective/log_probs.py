@@ -17,11 +17,12 @@ from tuneforge.objective.fused_loss import chunk_rows
 
 class LinearTargetLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, compute_dtype):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, compute_dtype, with_entropy):  # type: ignore[override]
         rows, vocab = hidden.size(0), weight.size(0)
         chunk = chunk_rows(rows, vocab, on_gpu=hidden.device.type != "cpu")
         log_probs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         normalizers = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(rows if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             matrix = weight.to(compute_dtype)
             for start in range(0, rows, chunk):
@@ -30,13 +31,17 @@ class LinearTargetLogProbs(torch.autograd.Function):
                 normalizer = torch.logsumexp(logits, dim=-1)
                 normalizers[start:stop] = normalizer
                 log_probs[start:stop] = logits.gather(1, targets[start:stop, None]).squeeze(1) - normalizer
+                if with_entropy:  # H = log Z - sum(p * logits), from the chunk already in hand
+                    expected = (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+                    entropy[start:stop] = normalizer - expected
                 del logits
         ctx.save_for_backward(hidden, weight, targets, normalizers)
         ctx.compute_dtype = compute_dtype
-        return log_probs
+        ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx, grad_output, _grad_entropy):  # type: ignore[override]
         hidden, weight, targets, normalizers = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         rows, vocab = hidden.size(0), weight.size(0)
@@ -61,7 +66,7 @@ class LinearTargetLogProbs(torch.autograd.Function):
                 del gradient
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def linear_target_log_probs(
@@ -69,4 +74,12 @@ def linear_target_log_probs(
 ) -> torch.Tensor:
     """log softmax(hidden @ weight.T)[row, targets[row]] for every row, in fp32; `hidden` is (rows, width) and
     holds only positions that have a target."""
-    return LinearTargetLogProbs.apply(hidden, weight, targets, compute_dtype)
+    return LinearTargetLogProbs.apply(hidden, weight, targets, compute_dtype, False)[0]
+
+
+def linear_target_log_probs_and_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_target_log_probs` and each row's entropy of softmax(hidden @ weight.T) (no gradient), the latter
+    for online RL's figures."""
+    return LinearTargetLogProbs.apply(hidden, weight, targets, compute_dtype, True)

@@ -227,6 +227,18 @@ def accumulate_gradients(
     return AccumulatedStep(sums, layout, objective.balance is not None, step_units)
 
 
+def over_updates(updates: list[AccumulatedStep]) -> AccumulatedStep:
+    """A step of several updates (online RL's updates per rollout) as one record: its losses and metrics the
+    mean over the updates, its counts and stop votes the last update's (every update sees the same rows)."""
+    if len(updates) == 1:
+        return updates[0]
+    last = updates[-1]
+    sums = last.sums.clone()
+    figures = slice(0, last.layout.metrics.stop)
+    sums[figures] = torch.stack([update.sums[figures] for update in updates]).mean(dim=0)
+    return AccumulatedStep(sums, last.layout, last.has_router_loss, last.step_units)
+
+
 def steps_per_epoch(num_micro_batches: int, accumulation: int) -> int:
     """The last optimizer step of an epoch may take fewer micro-batches; it is weighted by tokens anyway."""
     return math.ceil(num_micro_batches / accumulation)
@@ -421,15 +433,17 @@ class Trainer:
             self.watchdog.beat(GENERATION, training=step > 1)
         made = objective.prepare_step(micro_batches)
         self.write_samples(step, made.samples)
-        self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
-        observer = TrainerObserver(self, step, len(made.micro_batches))
-        accumulated = accumulate_gradients(engine, made.micro_batches, objective, observer)
         # From the plan every rank holds: samples (a pair's answers as one), not rows, and no repeated filler row.
         self.samples_consumed += sum(mb.global_samples for mb in micro_batches) // self.parts.planner.group
-
         lr = self.schedule(step)
-        loss_scale = engine.loss_scale  # the scale this step's gradients carry
-        grad_norm = engine.step(lr, train.max_grad_norm)  # a device tensor, read with the step's sums
+        updates = []
+        for _ in range(objective.updates_per_step):  # one, but for online RL's updates per rollout
+            self.watchdog.beat("forward/backward", training=step > 1, micro_steps=planned)
+            observer = TrainerObserver(self, step, len(made.micro_batches))
+            updates.append(accumulate_gradients(engine, made.micro_batches, objective, observer))
+            loss_scale = engine.loss_scale  # the scale this update's gradients carry
+            grad_norm = engine.step(lr, train.max_grad_norm)  # a device tensor, read with the step's sums
+        accumulated = over_updates(updates)
         return PendingStep(
             step,
             epoch,

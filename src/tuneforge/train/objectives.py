@@ -110,7 +110,7 @@ def _group_relative(given: ObjectiveInputs) -> Objective:
     stops = context.template.stop_strings(context.tokenizer)
     reference = None
     if context.settings.kl_coef:
-        reference = _adapters_off_log_probs(forward, engine.unwrapped)
+        reference = _adapters_off_log_probs(forward, engine.unwrapped, context.settings.temperature)
     return GroupRelativePolicy(
         forward,
         context.settings,
@@ -127,12 +127,13 @@ def _group_relative(given: ObjectiveInputs) -> Objective:
     )
 
 
-def _adapters_off_log_probs(forward: TokenForward, peft_model: torch.nn.Module):
-    """The KL reference of online RL: the policy with its adapters disabled, token by token."""
+def _adapters_off_log_probs(forward: TokenForward, peft_model: torch.nn.Module, temperature: float):
+    """The KL reference of online RL: the policy with its adapters disabled, token by token, at the sampling
+    temperature (as the policy's own log-probabilities are taken)."""
 
     def reference(batch):
         with torch.no_grad(), peft_model.disable_adapter():
-            return forward.target_log_probs(batch)
+            return forward.target_log_probs(batch, temperature)
 
     return reference
 
