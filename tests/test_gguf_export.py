@@ -354,7 +354,9 @@ def test_the_trained_demo_answers_in_llama_cpp_as_in_transformers(outtype, tmp_p
         got.append(answer["choices"][0]["message"]["content"])
     same = sum(a == b for a, b in zip(got, expected, strict=True))
     pairs = list(zip(got, expected, strict=True))
-    assert same == len(prompts) if outtype == "f32" else same >= len(prompts) - 2, pairs
+    # A near-tie between two tokens can go either way between two float implementations: on 200 held-out prompts
+    # 199 (f32) and 198 (q8_0) replies agree (README); here 24 of them.
+    assert same >= len(prompts) - (1 if outtype == "f32" else 2), pairs
 
 
 _DEMO_RUN: dict[str, Path] = {}

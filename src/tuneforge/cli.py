@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.merge or args.format != "hf" or args.dtype:
                 raise UserError("export --for writes an adapter as it was trained: drop --merge, --format and --dtype")
-            for line in export_for_server(args.checkpoint, args.out, args.server, args.base, args.trust_remote_code):
+            for line in export_for_server(args.checkpoint, args.out, args.server, args.base):
                 print(line)
         elif args.command == "export" and args.format == "gguf":
             from tuneforge.gguf_export.export import export_gguf

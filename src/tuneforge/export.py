@@ -52,10 +52,10 @@ TMP_MARKER = ".tuneforge-export"
 the next), and a directory of that name without it, which may be someone's data, is never deleted."""
 
 
-def _prepare_out(out: Path) -> Path:
-    tmp = _check_out(out)
+def prepare_out(out: Path) -> Path:
+    tmp = check_out(out)
     try:
-        remove_entry(tmp)  # a half-written export of an earlier run (`_check_out` made sure)
+        remove_entry(tmp)  # a half-written export of an earlier run (`check_out` made sure)
         tmp.mkdir(parents=True)
         (tmp / TMP_MARKER).write_text("tuneforge export in progress\n")
     except OSError as exc:
@@ -63,7 +63,7 @@ def _prepare_out(out: Path) -> Path:
     return tmp
 
 
-def _check_out(out: Path) -> Path:
+def check_out(out: Path) -> Path:
     """Refusals of `--out` said before anything is loaded; returns the temporary directory written first."""
     if out.is_symlink():
         raise UserError(
@@ -87,7 +87,7 @@ def _check_out(out: Path) -> Path:
     return tmp
 
 
-def _finish(tmp: Path, out: Path) -> None:
+def finish_out(tmp: Path, out: Path) -> None:
     _drop_dangling_auto_map(tmp)
     if out.is_symlink():  # made since the export began: never followed, never replaced
         raise UserError(f"--out {out}: became a symbolic link while exporting; the export is left in {tmp}")
@@ -147,7 +147,7 @@ def export(
     trust_remote_code: bool = False,
 ) -> list[str]:
     """Write the export atomically; returns lines describing it."""
-    _check_out(out)  # before the model loads: a refused --out is said at once
+    check_out(out)  # before the model loads: a refused --out is said at once
     meta = read_chat_meta(checkpoint) or {}
     adapter = is_adapter(checkpoint)
     if adapter and not merge:
@@ -155,7 +155,7 @@ def export(
         return _export_adapter(checkpoint, out, dtype_name, base, meta, trust_remote_code)
     trained = load_trained(checkpoint, base, merge=True, trust_remote_code=trust_remote_code)
     dtype = EXPORT_DTYPES[dtype_name] if dtype_name else base_dtype(trained.base or str(checkpoint))
-    tmp = _prepare_out(out)
+    tmp = prepare_out(out)
     model = trained.model.to(dtype)
     scores = getattr(model, "generation_config", None) is None
     if not scores:
@@ -170,7 +170,7 @@ def export(
     note = attach_chat_template(trained.processor.tokenizer if trained.processor else trained.tokenizer, meta)
     saved.save_pretrained(tmp)
     (tmp / CHAT_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "adapter"}, indent=2))
-    _finish(tmp, out)
+    finish_out(tmp, out)
     what = "merged into the dequantized base" if meta.get("adapter", {}).get("quantization") else "merged"
     kind = f"adapter {what}" if adapter else "full model"
     if scores:
@@ -186,7 +186,7 @@ def _export_adapter(
 ) -> list[str]:
     base_path = adapter_base(checkpoint, base)
     remote = allow_remote_code(base_path, trust_remote_code, bool(meta.get("adapter", {}).get("trust_remote_code")))
-    tmp = _prepare_out(out)
+    tmp = prepare_out(out)
     config = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = str(Path(base_path).resolve())
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
@@ -202,7 +202,7 @@ def _export_adapter(
     note = attach_chat_template(processor.tokenizer if processor else tokenizer, meta)
     (processor or tokenizer).save_pretrained(tmp)
     (tmp / CHAT_META).write_text(json.dumps(meta, indent=2))
-    _finish(tmp, out)
+    finish_out(tmp, out)
     lines = [f"exported adapter: {out} (base {base_path}; load with PeftModel.from_pretrained)", note]
     if processor is not None and (beyond := adapters_beyond_language(checkpoint / ADAPTER_WEIGHTS, base_path)):
         lines.append(

@@ -129,12 +129,12 @@ def server_adapter_config(config: dict, expert_projections: set[str]) -> dict:
     return out
 
 
-def export_for_server(
-    checkpoint: Path, out: Path, server: str, base: Path | None = None, trust_remote_code: bool = False
-) -> list[str]:
+def export_for_server(checkpoint: Path, out: Path, server: str, base: Path | None = None) -> list[str]:
+    """No model code runs and no weights but the adapter's are read: the layout comes from the config and a
+    meta-device skeleton of the base."""
     from transformers import AutoConfig
 
-    from tuneforge.export import _check_out, _finish, _prepare_out, adapters_beyond_language
+    from tuneforge.export import adapters_beyond_language, check_out, finish_out, prepare_out
     from tuneforge.train.checkpoint import CHAT_META, read_chat_meta
     from tuneforge.trained import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base, is_adapter, is_vision_checkpoint
 
@@ -143,10 +143,13 @@ def export_for_server(
             f"export --for {server}: {checkpoint} is a full model, which {server} serves as it is (or export --merge "
             "for a copy with the training chat template); --for writes adapters"
         )
-    _check_out(out)
+    check_out(out)
     config = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     base_path = adapter_base(checkpoint, base)
-    model_type = AutoConfig.from_pretrained(base_path, trust_remote_code=False).model_type
+    try:
+        model_type = AutoConfig.from_pretrained(base_path, trust_remote_code=False).model_type
+    except ValueError:  # an architecture that exists only as the model's own code
+        raise UserError(f"export --for {server}: the base at {base_path} needs its own code; use {MERGED}") from None
     beyond = (
         adapters_beyond_language(checkpoint / ADAPTER_WEIGHTS, base_path) if is_vision_checkpoint(base_path) else ""
     )
@@ -154,7 +157,7 @@ def export_for_server(
         raise UserError(f"export --for {server}: {'; '.join(problems)}; use {MERGED}")
     weights = load_file(checkpoint / ADAPTER_WEIGHTS)
     stacked = bool(config.get("target_parameters")) and any(".experts." in key for key in weights)
-    layout = "PEFT's own"
+    layout = "PEFT's stacked layout" if stacked else "none"
     projections: set[str] = set()
     if stacked and model_type not in STACKED:
         if model_type not in PER_EXPERT:
@@ -169,7 +172,7 @@ def export_for_server(
         layout = "one lora_A/lora_B pair per expert and projection"
     written = server_adapter_config(config, projections)
     written["base_model_name_or_path"] = str(Path(base_path).resolve())
-    tmp = _prepare_out(out)
+    tmp = prepare_out(out)
     save_file({k: v.contiguous() for k, v in weights.items()}, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(written, indent=2))
     meta = read_chat_meta(checkpoint) or {}
@@ -177,7 +180,7 @@ def export_for_server(
     template = _training_template(checkpoint, meta)
     if template:
         (tmp / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
-    _finish(tmp, out)
+    finish_out(tmp, out)
     rank = max([written.get("r", 0), *(written.get("rank_pattern") or {}).values()])
     serve = SERVE_HINT[server].format(rank=rank, out=out)
     if template:

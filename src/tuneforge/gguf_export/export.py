@@ -9,45 +9,44 @@ from transformers import AutoConfig
 
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
-from tuneforge.export import _check_out, _finish, _prepare_out, attach_chat_template
+from tuneforge.export import attach_chat_template, check_out, finish_out, prepare_out
 from tuneforge.gguf_export.architectures import gguf_architecture
 from tuneforge.gguf_export.modelfile import go_template, modelfile
 from tuneforge.gguf_export.write import OUTTYPES, write_gguf
 from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, remove_entry
-from tuneforge.trained import is_reward_model, is_vision_checkpoint, load_trained
+from tuneforge.trained import adapter_base, is_adapter, is_reward_model, is_vision_checkpoint, load_trained
 
 GGUF_FILE = "model.gguf"
 MODELFILE = "Modelfile"
 
 
-def _refuse_early(checkpoint: Path, outtype: str) -> None:
-    """What is refused before the model loads: minutes, for a large one."""
+def _refuse_early(model_dir: Path, outtype: str) -> None:
+    """What is refused before the model loads (minutes, for a large one); `model_dir` the full model or an
+    adapter's base."""
     if outtype not in OUTTYPES:
         raise UserError(f"--outtype {outtype}: choose one of {', '.join(OUTTYPES)}")
-    if is_reward_model(checkpoint):
-        raise UserError("export --format gguf: a reward model scores text; llama.cpp's GGUF here holds chat models")
-    if is_vision_checkpoint(checkpoint):
+    if is_vision_checkpoint(model_dir):
         raise UserError(
             "export --format gguf: vision-language models are not converted (llama.cpp keeps their vision tower "
             "in a separate mmproj file); export --merge for transformers, vLLM or SGLang"
         )
-    if (checkpoint / "config.json").exists():
-        gguf_architecture(AutoConfig.from_pretrained(checkpoint, trust_remote_code=False))
+    if (model_dir / "config.json").exists():
+        gguf_architecture(AutoConfig.from_pretrained(model_dir, trust_remote_code=False))
 
 
 def export_gguf(
     checkpoint: Path, out: Path, outtype: str, base: Path | None = None, trust_remote_code: bool = False
 ) -> list[str]:
-    _check_out(out)
-    _refuse_early(checkpoint, outtype)
+    check_out(out)
+    if is_reward_model(checkpoint):
+        raise UserError("export --format gguf: a reward model scores text; llama.cpp's GGUF here holds chat models")
+    _refuse_early(Path(adapter_base(checkpoint, base)) if is_adapter(checkpoint) else checkpoint, outtype)
     meta = read_chat_meta(checkpoint) or {}
     trained = load_trained(checkpoint, base, merge=True, trust_remote_code=trust_remote_code)
-    if trained.processor is not None:
-        _refuse_early(Path(trained.base or checkpoint), outtype)
     tokenizer = trained.tokenizer
     note = attach_chat_template(tokenizer, meta)
     template = recorded_template(meta["template"], Path(CHAT_META)) if meta.get("template") is not None else None
-    tmp = _prepare_out(out)
+    tmp = prepare_out(out)
     try:
         written = write_gguf(trained.model, tokenizer, tokenizer.chat_template, tmp / GGUF_FILE, outtype, out.name)
     except BaseException:
@@ -60,7 +59,7 @@ def export_gguf(
         go, stops = None, [tokenizer.eos_token]
     (tmp / MODELFILE).write_text(modelfile(GGUF_FILE, go, stops), encoding="utf-8")
     (tmp / CHAT_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "adapter"}, indent=2))
-    _finish(tmp, out)
+    finish_out(tmp, out)
     size = written.bytes / 2**20
     lines = [
         f"exported GGUF: {out / GGUF_FILE} ({written.arch}, {outtype}, {written.tensors} tensors, {size:.1f} MiB; "
