@@ -216,3 +216,33 @@ def test_chat_answers_the_same_from_an_adapter_checkpoint_and_its_merged_export(
     (tmp_path / "lost").mkdir()
     assert main(["chat", str(checkpoint), "--prompt", "hi", "--base", str(tmp_path / "missing")]) == 2
     assert "is not here; pass --base DIR" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_qlora_adapter_on_deepseek_experts_exports_to_a_gguf_llama_cpp_runs_as_the_merged_model(tmp_path, tokenizer):
+    """The report's set-up in small: DeepSeek-V2 in 4 bits with adapters on its stacked experts. The GGUF export
+    merges into the dequantized base, and llama.cpp computes the merged model's logits."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tuneforge.gguf_export.export import export_gguf
+
+    cfg = model_config("deepseek_v2", DEEPSEEK_V2, QLORA)
+    cfg.lora.experts = True
+    model = build_model(cfg, tokenizer, seed=0, base_dir=tmp_path / "base")
+    model, _ = make_trainable(model, cfg, False, find_moe(model))
+    assert any(".experts." in name for name, p in model.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
+    meta = {"template": "deepseek_coder", "system": None, "adapter": {"dtype": "float32", "quantization": QLORA}}
+    checkpoint = save_checkpoint(model, tokenizer, tmp_path / "checkpoints" / "final", meta)
+    export(checkpoint, tmp_path / "merged", merge=True, dtype_name="fp32")
+    export_gguf(checkpoint, tmp_path / "gguf", "f32")
+    ids = probe_ids(tokenizer)[0].tolist()
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(input_ids=torch.tensor([ids])).logits[0]
+    llm = llama_cpp.Llama(str(tmp_path / "gguf" / "model.gguf"), n_ctx=128, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(ids)
+    got = torch.tensor(llm.scores[: len(ids)])
+    assert (got - expected).abs().max() <= 2e-3 * expected.abs().max()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
