@@ -192,7 +192,7 @@ def test_a_rollout_turns_each_prompt_into_its_groups_rows(tokenizer):
     batch = collate(data, [[0], [1]], tokenizer.pad_token_id, False)
     policy = one_rank_policy(TokenForward(model, model, "fp32"), settings, tokenizer, ["a", "b"], 4)
     torch.manual_seed(0)
-    made = policy.prepare_step([batch])
+    made = policy.prepare_step([batch], 1)
     (rows,) = made.micro_batches
     assert rows.input_ids.size(0) == 6 and rows.advantages.shape == (6,)
     torch.testing.assert_close(rows.advantages.view(2, 3).sum(dim=1), torch.zeros(2), atol=1e-5, rtol=0)
@@ -232,7 +232,7 @@ def test_the_loss_takes_log_probabilities_at_the_sampling_temperature(tokenizer,
     batch = collate(data, [[0]], tokenizer.pad_token_id, False)
     policy = one_rank_policy(TokenForward(model, model, "fp32", fuse=fuse), settings, tokenizer, ["a"], 3)
     torch.manual_seed(0)
-    (rows,) = policy.prepare_step([batch]).micro_batches
+    (rows,) = policy.prepare_step([batch], 1).micro_batches
     rows.advantages = torch.tensor([1.0, -0.5, 0.3, -0.8])  # some advantage to follow, whatever was sampled
     loss, _ = policy.evaluate(rows, None)
     loss.backward()
@@ -262,7 +262,7 @@ def test_a_later_update_takes_its_ratio_against_the_sampling_policys_log_probs(t
     forward = TokenForward(model, model, "fp32")
     policy = one_rank_policy(forward, settings, tokenizer, ["a"], 3)
     torch.manual_seed(0)
-    (rows,) = policy.prepare_step([collate(data, [[0]], tokenizer.pad_token_id, False)]).micro_batches
+    (rows,) = policy.prepare_step([collate(data, [[0]], tokenizer.pad_token_id, False)], 1).micro_batches
     with torch.no_grad():
         current = forward.target_log_probs(rows)
     torch.testing.assert_close(rows.old_log_probs, current)  # taken at the rollout, before any update

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import ENGINES, launch, metrics, train_here
 
@@ -79,9 +81,30 @@ def test_two_ranks_whose_completions_end_apart_finish_together(tmp_path, engine)
 
 
 @pytest.mark.slow
+def test_two_ranks_equal_one_process_rollouts_and_updates(tmp_path):
+    """The report's engine (ZeRO-3 with offload) on 2 ranks, each sampling its own prompt, against one process
+    sampling both: the same completions (keyed draws), so the same rewards; the same loss over the global step's
+    completion tokens and the same weights after two updates per rollout."""
+    config = write_job(tmp_path, completion=16)
+    common = ("data.group_by_length=false", "rl.updates_per_rollout=2", "checkpoint.save_final=true")
+    one = train_here(config, tmp_path / "one", *common)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch(config, tmp_path / "two", *common, "train.micro_batch_size=1", *ENGINES["zero3_offload"], ranks=2)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one_records, two_records = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for key in ("reward", "reward/exact_match", "reward/length", "completion_length", "completion_length_max"):
+        assert [r[key] for r in two_records] == pytest.approx([r[key] for r in one_records], abs=1e-9), key
+    assert [r["loss"] for r in two_records] == pytest.approx([r["loss"] for r in one_records], abs=1e-5)
+    one_weights = load_file(tmp_path / "one" / "checkpoints" / "final" / "model.safetensors")
+    two_weights = load_file(tmp_path / "two" / "checkpoints" / "final" / "model.safetensors")
+    for name, tensor in one_weights.items():
+        torch.testing.assert_close(two_weights[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("updates", [1, 2])
 def test_killed_then_resumed_equals_uninterrupted_rollouts_included(tmp_path, updates):
-    """The sampling draws from the run's generators, which step checkpoints save: a resumed run samples the
+    """Each completion's draws are keyed by the seed, the step and the prompt: a resumed run samples the
     completions the uninterrupted one did, so its rewards and losses are the same (a step holds all the updates
     of its rollout, so a checkpoint never falls between them)."""
     config = write_job(tmp_path)

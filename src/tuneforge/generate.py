@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from tuneforge.data.conversation import Conversation
 from tuneforge.data.image_tokens import ImageTokens
 from tuneforge.data.images import open_image
 from tuneforge.data.templates import ChatTemplate, Encoded
+from tuneforge.errors import UserError
+from tuneforge.keyed_sampling import KeyedSampler
 from tuneforge.model.precision import autocast
 
 
@@ -109,6 +111,54 @@ def _with_images(
     return expanded, {name: value.to(device) for name, value in images.pixels(loaded).items()}
 
 
+NEUTRAL_GENERATION = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": 0,
+    "guidance_scale": 1.0,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+    "suppress_tokens": [],
+    "begin_suppress_tokens": [],
+}
+"""Settings of a model's `generation_config` that would reshape each step's logits under greedy search, at
+values that leave them as they are. Transformers fills what a passed config leaves unset from the model's."""
+
+RESHAPING_WITHOUT_NEUTRAL = (
+    "bad_words_ids",
+    "sequence_bias",
+    "forced_eos_token_id",
+    "exponential_decay_length_penalty",
+)
+"""Settings that reshape the logits and have no neutral value to write over the model's: a model that sets one
+is refused for rollouts."""
+
+
+def rollout_generation_config(
+    model_settings: GenerationConfig | None, max_new_tokens: int, stop_ids: list[int], pad_id: int
+) -> GenerationConfig:
+    """Greedy search over the keyed sampler's output, with none of the model's own generation defaults (Qwen2.5
+    ships a repetition penalty): the completions come from exactly the distribution the loss assumes."""
+    shaping = [name for name in RESHAPING_WITHOUT_NEUTRAL if getattr(model_settings, name, None) is not None]
+    if shaping:
+        raise UserError(
+            f"the model's generation_config.json sets {', '.join(shaping)}, which would change the distribution "
+            "rollouts sample from away from the one the loss assumes; remove it from the model's "
+            "generation_config.json for GRPO"
+        )
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+        use_cache=True,
+        **NEUTRAL_GENERATION,
+    )
+
+
 @torch.no_grad()
 def sample_completions(
     model: PreTrainedModel,
@@ -119,33 +169,30 @@ def sample_completions(
     top_p: float,
     stop_ids: list[int],
     pad_id: int,
+    keys: torch.Tensor,
     precision: str = "fp32",
     synced: bool = False,
 ) -> tuple[list[list[int]], list[bool]]:
     """`generations` sampled completions of each prompt, prompt by prompt (the first prompt's group first), in the
     model's current weights (adapters active, KV cache on), and whether each was cut at `max_new_tokens` before a
-    stop token. A completion ends with its stop token. `synced`: sharded weights, every rank steps until all
-    are done."""
+    stop token. A completion ends with its stop token. `keys` (one per completion, `completion_keys`) decide its
+    draws, so it does not depend on the other rows. `synced`: sharded weights, every rank steps until all are
+    done."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     input_ids, attention_mask = left_padded(prompts, pad_id)
     width = input_ids.size(1)
+    settings = rollout_generation_config(model.generation_config, max_new_tokens, stop_ids, pad_id)
+    sampler = KeyedSampler(keys.to(device), width, temperature, top_p)
     try:
         with autocast(precision, device):
             output = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                max_new_tokens=max_new_tokens,
-                do_sample=True,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=0,
-                num_return_sequences=generations,
-                eos_token_id=stop_ids,
-                pad_token_id=pad_id,
+                input_ids=input_ids.repeat_interleave(generations, dim=0).to(device),
+                attention_mask=attention_mask.repeat_interleave(generations, dim=0).to(device),
+                generation_config=settings,
+                logits_processor=LogitsProcessorList([sampler]),
                 synced_gpus=synced,
-                use_cache=True,
             )
     finally:
         model.train(was_training)

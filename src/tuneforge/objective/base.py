@@ -82,9 +82,9 @@ class Objective(abc.ABC):
     updates_per_step: int = 1
     """Optimizer updates each step makes on its data (online RL's updates per rollout; one elsewhere)."""
 
-    def prepare_step(self, micro_batches: list[MicroBatch]) -> StepData:
+    def prepare_step(self, micro_batches: list[MicroBatch], step: int) -> StepData:
         """The step's training data from its planned micro-batches (every rank calls it at every step, alike):
-        these as they are by default."""
+        these as they are by default. `step`: the optimizer step they train (what keys online RL's sampling)."""
         return StepData(micro_batches)
 
     def prepare(self, batch: MicroBatch) -> object:

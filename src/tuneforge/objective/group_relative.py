@@ -30,6 +30,7 @@ from tuneforge.config.schema import RLConfig
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.generate import sample_completions
+from tuneforge.keyed_sampling import completion_keys
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.objective.base import Objective, StepData, SumAcrossRanks
 from tuneforge.objective.forward import TokenForward
@@ -152,8 +153,10 @@ class GroupRelativePolicy(Objective):
         reference: Callable[[MicroBatch], torch.Tensor] | None = None,
         balance: RouterBalance | None = None,
         sum_across_ranks: SumAcrossRanks | None = None,
+        seed: int = 0,
     ):
         super().__init__(forward, balance, sum_across_ranks)
+        self.seed = seed
         self.settings = settings
         self.rewards = rewards
         self.answers = answers
@@ -172,8 +175,9 @@ class GroupRelativePolicy(Objective):
     def global_count(self, batch: MicroBatch) -> int:
         return batch.global_targets if self.token_unit else batch.global_samples
 
-    def prepare_step(self, micro_batches: list[MicroBatch]) -> StepData:
-        """The rollout: every prompt's completions sampled, rewarded and turned into rows with advantages."""
+    def prepare_step(self, micro_batches: list[MicroBatch], step: int) -> StepData:
+        """The rollout: every prompt's completions sampled, rewarded and turned into rows with advantages. Each
+        completion's draws are keyed by (seed, step, prompt, its number in the group): the same on any rank."""
         settings = self.settings
         built, local = [], _Figures(len(self.rewards))
         samples = []
@@ -191,6 +195,7 @@ class GroupRelativePolicy(Objective):
                 settings.top_p,
                 self.stop_ids,
                 self.tokenizer.pad_token_id,
+                completion_keys(self.seed, step, batch.sample_indices, settings.generations),
                 self.forward.precision,
                 self.synced,
             )

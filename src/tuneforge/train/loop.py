@@ -431,7 +431,7 @@ class Trainer:
         objective = self.parts.objective
         if objective.generates:
             self.watchdog.beat(GENERATION, training=step > 1)
-        made = objective.prepare_step(micro_batches)
+        made = objective.prepare_step(micro_batches, step)
         self.write_samples(step, made.samples)
         # From the plan every rank holds: samples (a pair's answers as one), not rows, and no repeated filler row.
         self.samples_consumed += sum(mb.global_samples for mb in micro_batches) // self.parts.planner.group

@@ -52,6 +52,8 @@ class PromptContext:
     answers: list[str]
     tokenizer: PreTrainedTokenizerBase
     template: ChatTemplate
+    seed: int
+    """The run's seed: with the step, a prompt's index and a completion's number, what its sampling draws."""
 
 
 def _cross_entropy(given: ObjectiveInputs) -> Objective:
@@ -124,6 +126,7 @@ def _group_relative(given: ObjectiveInputs) -> Objective:
         reference,
         given.balance,
         engine.sum_tensor_across_ranks,
+        context.seed,
     )
 
 

@@ -241,7 +241,7 @@ def setup(
         reference_table = reference_pass(cfg, engine, data, tokenizer, layout, work_dir, watchdog, say)
     prompts = None
     if cfg.objective.prompted:
-        prompts = PromptContext(cfg.rl, rewards, data.train.data.answers, tokenizer, template)
+        prompts = PromptContext(cfg.rl, rewards, data.train.data.answers, tokenizer, template, cfg.train.seed)
     objective = build_objective(
         engine,
         cfg.train.precision,
