@@ -534,3 +534,26 @@ def test_the_estimate_trains_what_vision_language_training_trains(family):
         s = model_shapes(cfg, model, moe, 2)
         trained, _ = make_vision_trainable(model, cfg.model, moe, VisionParts.of(model))
         assert s.trainable == sum(p.numel() for p in trained.parameters() if p.requires_grad), setup
+
+
+def test_a_grpo_reward_model_counts_whole_on_each_rank_in_the_compute_dtype(llama, tmp_path, tokenizer):
+    """Its values read from the safetensors headers (an adapter's from its base), nothing loaded."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from conftest import TINY_DENSE
+
+    scorer = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), **TINY_DENSE, num_labels=1))
+    scorer.save_pretrained(tmp_path / "full")
+    values = sum(p.numel() for p in scorer.parameters())
+    scorer.name_or_path = str(tmp_path / "full")
+    get_peft_model(scorer, LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS")).save_pretrained(
+        tmp_path / "adapter"
+    )
+    grpo = {"train": {"objective": "grpo"}, "model": LORA, "parallel": {"engine": "fsdp"}}
+    without = estimate(config(**grpo), llama, "fsdp", 8, H100)
+    assert not any(r.label.startswith("reward model") for r in without.rows)
+    for path in ("full", "adapter"):
+        rl = {"rewards": [{"kind": "model", "path": str(tmp_path / path)}]}
+        eight = estimate(config(**grpo, rl=rl), llama, "fsdp", 8, H100)
+        assert row(eight, "reward model").gpu == values * 2  # bf16, not divided by the ranks

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tuneforge.checkpoint_records import read_chat_meta
 from tuneforge.data.conversation import prompt_conversation
 from tuneforge.data.templates import get_template
 from tuneforge.generate import generate_replies
-from tuneforge.train.checkpoint import prune_checkpoints, read_chat_meta, save_checkpoint, step_checkpoints
+from tuneforge.train.checkpoint import prune_checkpoints, save_checkpoint, step_checkpoints
 
 from conftest import tiny_llama
 

@@ -294,3 +294,19 @@ def test_the_entropy_figure_is_the_policys_at_the_completion_tokens(tokenizer, f
     expected = -(distribution.exp() * distribution).sum(dim=-1)
     torch.testing.assert_close(entropy, expected, atol=1e-5, rtol=1e-5)
     assert not entropy.requires_grad and log_probs.requires_grad
+
+
+def test_a_reward_model_is_checked_when_the_rewards_are_built(tmp_path, tokenizer):
+    """Named by the config, a reward model is read as weights only; what is not one is refused before anything
+    loads, with the fix."""
+    from tuneforge.train.reward_model import reward_model_scorer
+
+    with pytest.raises(ValueError, match="a model reward needs `path`"):
+        RewardSpec(kind="model")
+    with pytest.raises(UserError, match="is not a directory"):
+        build_rewards([RewardSpec(kind="model", path=str(tmp_path / "missing"))], models=reward_model_scorer)
+    from conftest import tiny_llama
+
+    tiny_llama(tokenizer).save_pretrained(tmp_path / "causal")
+    with pytest.raises(UserError, match=r"is not a reward model .*train\.objective: reward"):
+        build_rewards([RewardSpec(kind="model", path=str(tmp_path / "causal"))], models=reward_model_scorer)

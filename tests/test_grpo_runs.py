@@ -147,3 +147,60 @@ def test_later_updates_of_a_rollout_are_clipped_against_the_sampling_policy(tmp_
     assert any(r["clip_ratio"] > 0 for r in runs[3]), [r["clip_ratio"] for r in runs[3]]
     # Step 1's rollout is the same in both (same weights, same generators); from step 2 the policies differ.
     assert runs[1][0]["reward"] == runs[3][0]["reward"] and runs[1][0]["loss"] != runs[3][0]["loss"]
+
+
+REWARD_MODEL_JOB = """\
+model: {architecture: llama, tokenizer: bytes, size: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,
+  num_attention_heads: 4}}
+data: {train_files: [pairs.jsonl], template: {instruction: "{input}\\n", sep: "\\n"}, max_length: 48, cache_dir: null}
+train: {objective: reward, lr: 1.0e-2, micro_batch_size: 4, max_steps: 6, precision: fp32}
+checkpoint: {every_steps: 0}
+log: {progress: lines, plot: false}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_reward_model_scores_each_completion_as_transformers_scores_its_conversation(tmp_path, lora):
+    """A reward model trained by tuneforge (a full checkpoint, or LoRA adapters on its base) as GRPO's reward:
+    each completion's reward is the score transformers' own sequence classifier (PEFT's for the adapters) gives
+    the prompt's conversation with the completion as its reply, rendered with the reward model's template."""
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tuneforge.checkpoint_records import CHAT_META, read_chat_meta
+    from tuneforge.data.conversation import Conversation, Turn
+    from tuneforge.data.templates import recorded_template
+
+    pairs = [{"prompt": f"#{i:02x}{i:02x}00", "chosen": f"({i}, {i}, 0)", "rejected": "no idea"} for i in range(16)]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs) + "\n")
+    (tmp_path / "reward.yaml").write_text(REWARD_MODEL_JOB)
+    lora_setting = ["model.lora={r: 4, alpha: 8, dropout: 0.0}"] if lora else []
+    trained = train_here(tmp_path / "reward.yaml", tmp_path / "reward", *lora_setting)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    reward_model = tmp_path / "reward" / "checkpoints" / "final"
+
+    config = write_job(tmp_path)
+    config.write_text(
+        config.read_text().replace(
+            "rewards: [{kind: exact_match}, {kind: length,\n  target_length: 6, weight: 0.5}]",
+            "rewards: [{kind: model, path: reward/checkpoints/final, batch_size: 3}]",
+        )
+    )
+    result = train_here(config, tmp_path / "run", "train.max_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").open()]
+    assert len(samples) == 8 and {"reward", "reward/model"} <= metrics(tmp_path / "run")[0].keys()
+
+    loader = AutoPeftModelForSequenceClassification if lora else AutoModelForSequenceClassification
+    scorer = loader.from_pretrained(reward_model).eval()
+    tokenizer = AutoTokenizer.from_pretrained(reward_model)
+    template = recorded_template(read_chat_meta(reward_model)["template"], reward_model / CHAT_META)
+    for sample in samples:
+        prompt = next(p["prompt"] for p in pairs if p["prompt"] in sample["prompt"])
+        conversation = Conversation((Turn(prompt, sample["reply"]),), "sample")
+        ids = template.encode([conversation], tokenizer, None)[0].input_ids
+        with torch.no_grad():
+            expected = float(scorer(input_ids=torch.tensor([ids])).logits[0, 0])
+        assert sample["reward"] == pytest.approx(expected, abs=1e-5)
+    assert len({round(s["reward"], 6) for s in samples}) > 2  # completions scored apart, not one constant

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tuneforge.checkpoint_records import checkpoint_problems
 from tuneforge.stop_requests import SAME_STOP_S
-from tuneforge.train.checkpoint import checkpoint_problems
 
 from conftest import ENGINES, TINY_LLAMA, TUNEFORGE, chat, free_port, launch, metrics, write_jsonl
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tuneforge.checkpoint_records import MANIFEST
 from tuneforge.engines.deepspeed import _deepspeed_record_type
 from tuneforge.engines.fsdp import _dcp_metadata_type
 from tuneforge.errors import UserError
 from tuneforge.pickle_guard import UNRESOLVED, pickle_globals, refuse_unsafe_pickles
-from tuneforge.train.checkpoint import MANIFEST
 from tuneforge.train.state import load_rng
 
 from conftest import TINY_LLAMA, TUNEFORGE, chat, train_here, tuneforge_here, write_jsonl

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from transformers import TextStreamer
 
+from tuneforge.checkpoint_records import CHAT_META
 from tuneforge.data.conversation import IMAGE_MARK, SampleError, prompt_conversation
 from tuneforge.data.image_tokens import ImageTokens
 from tuneforge.data.images import open_image
@@ -15,7 +16,6 @@ from tuneforge.data.vision_templates import MarkedTemplate, ProcessorTemplate
 from tuneforge.errors import UserError
 from tuneforge.generate import generate_replies
 from tuneforge.terminal import safe_text
-from tuneforge.train.checkpoint import CHAT_META
 from tuneforge.trained import is_reward_model, load_trained
 
 PIXEL_LIMIT = 100_000_000

@@ -11,13 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from tuneforge.checkpoint_records import CHAT_META, read_chat_meta
 from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.model.portable_adapter import make_portable
 from tuneforge.model.unloaded_weights import UNLOADED_FILE, copy_unloaded, recall
 from tuneforge.model.vision import VisionParts
-from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, remove_entry, share_as_umask_allows
+from tuneforge.train.checkpoint import remove_entry, share_as_umask_allows
 from tuneforge.trained import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,

@@ -134,8 +134,8 @@ def export_for_server(checkpoint: Path, out: Path, server: str, base: Path | Non
     meta-device skeleton of the base."""
     from transformers import AutoConfig
 
+    from tuneforge.checkpoint_records import CHAT_META, read_chat_meta
     from tuneforge.export import adapters_beyond_language, check_out, finish_out, prepare_out
-    from tuneforge.train.checkpoint import CHAT_META, read_chat_meta
     from tuneforge.trained import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base, is_adapter, is_vision_checkpoint
 
     if not is_adapter(checkpoint):

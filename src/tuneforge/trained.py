@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import transformers
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from tuneforge.checkpoint_records import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta
 from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError, first_line
 from tuneforge.model.adapters import exact_targets
@@ -35,7 +37,6 @@ from tuneforge.model.quantized_experts import (
 from tuneforge.model.unloaded_weights import load_keeping_unloaded, recall, remember
 from tuneforge.model.vision import is_vision_config
 from tuneforge.pickle_guard import refuse_unsafe_pickles, starts_as_zip
-from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -278,3 +279,21 @@ def base_dtype(path: str) -> torch.dtype:
     config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return DTYPES.get(name, torch.float32)
+
+
+def reward_model_values(path: str) -> int:
+    """Weight values of the reward model at `path` once merged (an adapter's base, plus its own head): read from
+    the safetensors headers, nothing loaded. 0 where they cannot be read (the run says why when it loads)."""
+    checkpoint = Path(path)
+    try:
+        files = _weight_files(checkpoint) or []
+        if is_adapter(checkpoint):
+            files = [*(_weight_files(Path(adapter_base(checkpoint))) or [])]
+        values = 0
+        for file in files:
+            with safe_open(file, "pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not a mapping
+                    values += math.prod(handle.get_slice(name).get_shape())
+        return values
+    except (OSError, ValueError, UserError):
+        return 0

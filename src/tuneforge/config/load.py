@@ -192,6 +192,9 @@ def _resolve_paths(config: Config, base: Path) -> Config:
         value = getattr(config.model, field)
         if value and value != "bytes" and _exists(base / value):
             setattr(config.model, field, _resolved(f"model.{field}", base / value))
+    for index, reward in enumerate(config.rl.rewards):  # a reward model beside the config, like its data
+        if reward.path is not None:
+            reward.path = _resolved(f"rl.rewards[{index}].path", base / reward.path)
     if config.eval.lm_eval is not None:  # local task files beside the config, like its data; harness names as they are
         config.eval.lm_eval.tasks = [
             _resolved("eval.lm_eval.tasks", base / task)

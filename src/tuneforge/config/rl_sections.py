@@ -15,12 +15,14 @@ class RewardSpec(Section):
     """One reward of `rl.rewards`: a built-in (data, not code) or, only with `tuneforge train --allow-reward-code`,
     a Python function importable by name."""
 
-    kind: Literal["exact_match", "regex", "numeric", "math", "json", "length", "python"] = "exact_match"
+    kind: Literal["exact_match", "regex", "numeric", "math", "json", "length", "model", "python"] = "exact_match"
     """`exact_match`: 1 when the stripped completion equals the record's `answer`; `regex`: 1 when `pattern`
     matches the completion (a format reward); `numeric`: 1 when the last number in the completion equals the
     answer's; `math`: 1 when math-verify finds the completion's answer equivalent to the record's; `json`: 1 when
     the completion parses as JSON; `length`: 1 minus the distance to `target_length` characters over it, at
-    least 0; `python`: `function` (module:name) called with (completions, answers), returning floats."""
+    least 0; `model`: the score a reward model (`train.objective: reward`) at `path` gives the prompt's
+    conversation with the completion as its reply, rendered with the reward model's own template; `python`:
+    `function` (module:name) called with (completions, answers), returning floats."""
 
     weight: float = 1.0
     """Its weight in the summed reward."""
@@ -37,9 +39,16 @@ class RewardSpec(Section):
     function: str | None = None
     """`python`: `package.module:function`, imported only with `--allow-reward-code`."""
 
+    path: str | None = None
+    """`model`: the reward model's directory (a checkpoint of `train.objective: reward`, its adapter, or an
+    exported sequence-classification model), relative to the config's folder. Weights only: no code runs."""
+
+    batch_size: int = Field(16, gt=0)
+    """`model`: conversations scored per forward."""
+
     @model_validator(mode="after")
     def _settings_of_its_kind(self) -> RewardSpec:
-        needs = {"regex": "pattern", "length": "target_length", "python": "function"}
+        needs = {"regex": "pattern", "length": "target_length", "python": "function", "model": "path"}
         wanted = needs.get(self.kind)
         if wanted is not None and getattr(self, wanted) is None:
             raise ValueError(f"a {self.kind} reward needs `{wanted}`")

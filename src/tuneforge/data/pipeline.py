@@ -30,9 +30,9 @@ from tuneforge.data.templates import IGNORE_INDEX, ChatTemplate
 from tuneforge.data.tokenize import TokenizedData, tokenize
 from tuneforge.errors import UserError, first_line
 
-DATA_VERSION = "3"
+DATA_VERSION = "4"
 """Bump when tokenization output or the cache layout changes (3: a manifest of file sizes), so stale caches are
-never reused."""
+never reused (4: online RL prompts keep their messages, for a reward model)."""
 
 
 @dataclass
@@ -284,6 +284,7 @@ def _write_entry(split: Split, tmp: Path, files: list[str]) -> None:
         np.save(tmp / f"{field}.npy", getattr(split.data, field))
     if split.data.answers is not None:
         (tmp / "answers.json").write_text(json.dumps(split.data.answers))
+        (tmp / "prompts.json").write_text(json.dumps(split.data.prompts))
     if split.data.image_offsets is not None:
         np.save(tmp / "image_offsets.npy", split.data.image_offsets)
         (tmp / "images.json").write_text(json.dumps(split.data.images))
@@ -308,6 +309,7 @@ def _load(directory: Path, files: list[str]) -> Split:
         origins = json.loads((directory / "origins.json").read_text())
         if "answers.json" in sums:
             arrays["answers"] = json.loads((directory / "answers.json").read_text())
+            arrays["prompts"] = json.loads((directory / "prompts.json").read_text())
         if "images.json" in sums:
             arrays["image_offsets"] = np.load(directory / "image_offsets.npy")
             arrays["images"] = json.loads((directory / "images.json").read_text())

@@ -8,6 +8,7 @@ completion starts; it trains no token itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -77,7 +78,7 @@ def tokenize_prompts(
 ) -> TokenizedData:
     """Prompt ids (labels all ignored: a prompt trains nothing) with their answers; a prompt longer than
     `longest` (the room `data.max_length` leaves a completion) is dropped and counted."""
-    samples, answers = [], []
+    samples, answers, messages = [], [], []
     for conversation, answer in prompts:
         ids = template.prompt_ids(conversation, tokenizer, default_system)
         if len(ids) > longest:
@@ -85,9 +86,15 @@ def tokenize_prompts(
             continue
         samples.append((ids, [IGNORE_INDEX] * len(ids), conversation.origin))
         answers.append(answer)
+        messages.append(conversation.messages())
     data = TokenizedData.from_samples(samples)
-    data.answers = answers
+    data.answers, data.prompts = answers, messages
     return data
+
+
+def prompt_conversation_of(messages: list[dict[str, str]], origin: str) -> Conversation:
+    """A kept prompt's messages (`TokenizedData.prompts`) as the conversation they were read as, its last turn open."""
+    return to_prompt({"messages": messages, "answer": ""}, origin)[0]
 
 
 def prompt_room(max_length: int, max_completion_tokens: int) -> int:
@@ -106,3 +113,13 @@ def room_for(cfg) -> int | None:
     if not cfg.objective.prompted:
         return None
     return prompt_room(cfg.data.max_length, cfg.rl.max_completion_tokens)
+
+
+def prompt_lookup(data: TokenizedData) -> Callable[[int], Conversation]:
+    """Data index -> the prompt's conversation, built when asked (a reward model reads a step's few)."""
+    assert data.prompts is not None, "prompt data keeps its messages"
+
+    def conversation(index: int) -> Conversation:
+        return prompt_conversation_of(data.prompts[index], data.origins[index])
+
+    return conversation

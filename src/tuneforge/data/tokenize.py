@@ -39,6 +39,9 @@ class TokenizedData:
     """None: no sample has images (a text dataset)."""
     answers: list[str] | None = None
     """Online RL's prompts: the answer each prompt's completions are rewarded against; None otherwise."""
+    prompts: list[list[dict[str, str]]] | None = None
+    """Online RL's prompts as OpenAI-style messages (system, user and assistant turns, ending with the user's):
+    what a reward model reads, rendered with its own template; None otherwise."""
 
     def __len__(self) -> int:
         return len(self.origins)
@@ -81,6 +84,8 @@ class TokenizedData:
         )
         if self.answers is not None:
             subset.answers = [self.answers[i] for i in indices]
+        if self.prompts is not None:
+            subset.prompts = [self.prompts[i] for i in indices]
         return subset
 
     @staticmethod

@@ -56,9 +56,23 @@ def memory_use(
     """Where every byte of a training step lives, for `world_size` ranks with `per_node` to a node."""
     state, weight_b = state_rows(cfg, s, traits, world_size, per_node, compute_bytes, kbit)
     rows = [*state, *expert_rows(cfg, s, compute_bytes), *activation_rows(cfg, s, traits, compute_bytes)]
+    rows += reward_model_rows(cfg, compute_bytes)
     rows.append(Row("CUDA context, NCCL, fragmentation", CUDA_OVERHEAD_GIB * GIB))
     load_gpu, load_host = loading_bytes(cfg, s, traits, per_node, kbit, gpu_capacity)
     return Memory(rows, load_gpu, load_host, weight_b)
+
+
+def reward_model_rows(cfg: Config, compute_bytes: int) -> list[Row]:
+    """Online RL's reward models: each rank holds a whole copy, in the compute dtype."""
+    if not cfg.objective.prompted:
+        return []
+    from tuneforge.trained import reward_model_values
+
+    rows = []
+    for reward in cfg.rl.rewards:
+        if reward.kind == "model" and (values := reward_model_values(reward.path)):
+            rows.append(Row(f"reward model: {count_label(values)} values, whole on each rank", values * compute_bytes))
+    return rows
 
 
 def state_rows(

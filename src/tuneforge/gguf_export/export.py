@@ -7,13 +7,14 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
+from tuneforge.checkpoint_records import CHAT_META, read_chat_meta
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.export import attach_chat_template, check_out, finish_out, prepare_out
 from tuneforge.gguf_export.architectures import gguf_architecture
 from tuneforge.gguf_export.modelfile import go_template, modelfile
 from tuneforge.gguf_export.write import OUTTYPES, write_gguf
-from tuneforge.train.checkpoint import CHAT_META, read_chat_meta, remove_entry
+from tuneforge.train.checkpoint import remove_entry
 from tuneforge.trained import adapter_base, is_adapter, is_reward_model, is_vision_checkpoint, load_trained
 
 GGUF_FILE = "model.gguf"

@@ -28,6 +28,7 @@ import torch
 
 from tuneforge.config.schema import RLConfig
 from tuneforge.data.batching import MicroBatch
+from tuneforge.data.conversation import Conversation
 from tuneforge.data.templates import IGNORE_INDEX
 from tuneforge.generate import sample_completions
 from tuneforge.keyed_sampling import completion_keys
@@ -154,9 +155,11 @@ class GroupRelativePolicy(Objective):
         balance: RouterBalance | None = None,
         sum_across_ranks: SumAcrossRanks | None = None,
         seed: int = 0,
+        prompts: Callable[[int], Conversation] | None = None,
     ):
         super().__init__(forward, balance, sum_across_ranks)
         self.seed = seed
+        self.prompts = prompts
         self.settings = settings
         self.rewards = rewards
         self.answers = answers
@@ -199,9 +202,17 @@ class GroupRelativePolicy(Objective):
                 self.forward.precision,
                 self.synced,
             )
-            answers = [self.answers[index] for index in batch.sample_indices for _ in range(settings.generations)]
+            rows_of = [index for index in batch.sample_indices for _ in range(settings.generations)]
+            answers = [self.answers[index] for index in rows_of]
             texts = [self._text(ids) for ids in completions]
-            scores = torch.tensor([reward.score(texts, answers) for reward in self.rewards], dtype=torch.float64)
+
+            def prompts_of(rows: list[int] = rows_of) -> list[Conversation]:
+                assert self.prompts is not None, "a reward that reads prompts needs their conversations"
+                return [self.prompts(index) for index in rows]
+
+            scores = torch.tensor(
+                [reward.scores(texts, answers, prompts_of) for reward in self.rewards], dtype=torch.float64
+            )
             total = (torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)[:, None] * scores).sum(0)
             groups = total.view(len(prompts), settings.generations)
             advantages = group_advantages(groups.float(), settings.scale_rewards, settings.loss_type).flatten()

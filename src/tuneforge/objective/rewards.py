@@ -1,6 +1,7 @@
 """Rewards of online RL (`rl.rewards`): each scores a batch of completions against their prompts' answers.
 
-The built-ins are data: a received config can name them and no code of its own runs. A `python` reward imports a
+The built-ins are data: a received config can name them and no code of its own runs; so is a reward model,
+whose weights are read without running code. A `python` reward imports a
 function by name, which runs code: it is built only when the user passes `--allow-reward-code` on the command line,
 never because a config asks.
 """
@@ -29,7 +30,16 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 class Reward:
     name: str
     weight: float
-    score: Score
+    score: Callable[..., list[float]]
+    """(completions, answers) -> one float each; with `needs_prompts`, (completions, answers, prompts)."""
+    needs_prompts: bool = False
+    """The score reads each completion's prompt conversation too (a reward model)."""
+
+    def scores(self, completions: list[str], answers: list[str], prompts: Callable[[], list]) -> list[float]:
+        """`prompts` gives the completions' prompt conversations, built only for a reward that reads them."""
+        if self.needs_prompts:
+            return self.score(completions, answers, prompts())
+        return self.score(completions, answers)
 
 
 def exact_match(completions: list[str], answers: list[str]) -> list[float]:
@@ -123,7 +133,15 @@ def imported_function(path: str, allow_code: bool, where: str) -> Score:
     return score
 
 
-def _score(spec: RewardSpec, allow_code: bool, where: str) -> Score:
+ModelScorer = Callable[[RewardSpec, str], Callable[..., list[float]]]
+"""Makes a `kind: model` reward from its spec and its place in the config (the training side's reward models)."""
+
+
+def _score(spec: RewardSpec, allow_code: bool, where: str, models: ModelScorer | None) -> Callable[..., list[float]]:
+    if spec.kind == "model":
+        if models is None:
+            raise UserError(f"{where}: a reward model is scored only during training")
+        return models(spec, where)
     if spec.kind == "regex":
         return pattern_reward(spec.pattern)
     if spec.kind == "length":
@@ -135,14 +153,21 @@ def _score(spec: RewardSpec, allow_code: bool, where: str) -> Score:
     return {"exact_match": exact_match, "numeric": numeric, "json": json_valid}[spec.kind]
 
 
-def build_rewards(specs: list[RewardSpec], allow_code: bool = False) -> list[Reward]:
+def build_rewards(specs: list[RewardSpec], allow_code: bool = False, models: ModelScorer | None = None) -> list[Reward]:
     rewards, names = [], set()
     for index, spec in enumerate(specs):
         where = f"rl.rewards[{index}]"
-        score = _score(spec, allow_code, where)
+        score = _score(spec, allow_code, where, models)
         name = spec.name or spec.kind
         if name in names:
             name = f"{name}_{index}"
         names.add(name)
-        rewards.append(Reward(name, spec.weight, score))
+        rewards.append(Reward(name, spec.weight, score, getattr(score, "needs_prompts", False)))
     return rewards
+
+
+def load_reward_models(rewards: list[Reward], device, precision: str) -> None:
+    """Read each reward model onto the policy's device (a named step of setup, after the policy loads)."""
+    for reward in rewards:
+        if hasattr(reward.score, "load"):
+            reward.score.load(device, precision)

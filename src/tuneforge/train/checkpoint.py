@@ -12,17 +12,10 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tuneforge.errors import UserError, first_line
+from tuneforge.checkpoint_records import CHAT_META, MANIFEST
+from tuneforge.errors import UserError
 from tuneforge.model.portable_adapter import make_portable
 from tuneforge.model.unloaded_weights import copy_unloaded, recall
-
-CHAT_META = "tuneforge.json"
-"""Written beside the weights: the chat template and system prompt the model was trained with, and for an
-adapter how to rebuild its base (`adapter`)."""
-
-QUANTIZED_EXPERTS = "quantized_experts"
-"""Key in the `adapter` part of `CHAT_META`: how many experts modules of the base held their stacked weights in
-4 bits while the adapter trained. Absent: written before tuneforge quantized them (they were full precision)."""
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -85,11 +78,6 @@ def fresh_dir(path: Path) -> None:
     remove_entry(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.mkdir()
-
-
-MANIFEST = "manifest.json"
-"""Every file of a committed checkpoint with its size: resume tells a complete checkpoint from one truncated or
-partly copied since (sizes, not checksums: reading back hundreds of GB at every resume costs too much)."""
 
 
 def current_umask() -> int:
@@ -155,35 +143,6 @@ def save_checkpoint(
     fresh_dir(tmp)
     write_model_files(model, tokenizer, tmp, meta, config_file, state_dict)
     return commit_checkpoint(tmp, directory)
-
-
-def checkpoint_problems(checkpoint: Path) -> list[str]:
-    """What is missing or of another size than when `checkpoint` was written ([] when it is whole, or when it
-    predates manifests)."""
-    path = checkpoint / MANIFEST
-    if not path.exists():
-        return []
-    try:
-        files = json.loads(path.read_text())["files"]
-        entries = list(files.items())
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return [f"{path} is unreadable"]
-    for name, size in entries:
-        inside = isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts
-        if not inside or not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            # Never followed: a hand-made manifest would otherwise have tuneforge report other files' sizes.
-            return [
-                f"{path} names {name!r} with size {size!r}, not a file of this checkpoint: it was not written "
-                "by tuneforge"
-            ]
-    problems = []
-    for name, size in entries:
-        file = checkpoint / name
-        if not file.exists():
-            problems.append(f"{file} is missing")
-        elif (now := file.stat().st_size) != size:
-            problems.append(f"{file} has {now:,} bytes, {size:,} when written (truncated or overwritten)")
-    return problems
 
 
 def directory_bytes(directory: Path) -> int:
@@ -294,28 +253,3 @@ def prune_checkpoints(checkpoints_dir: Path, keep_last: int | None) -> list[Path
     for path in removed:
         remove_entry(path)  # a link is unlinked: what it points to, outside the work dir, is never deleted
     return removed
-
-
-META_TYPES = {"template": (str, dict), "system": (str,), "adapter": (dict,), "step": (int,)}
-"""What each key of `CHAT_META` holds (None allowed for all): a file handed over is checked before it is used."""
-
-
-def read_chat_meta(checkpoint: Path) -> dict[str, Any] | None:
-    path = checkpoint / CHAT_META
-    if not path.exists():
-        return None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        reason = first_line(exc)
-        raise UserError(f"{path}: not readable ({reason}); the checkpoint is damaged, take another one") from None
-    if not isinstance(meta, dict):
-        raise UserError(f"{path}: holds {type(meta).__name__}, not tuneforge's record of the checkpoint")
-    for key, types in META_TYPES.items():
-        value = meta.get(key)
-        if value is not None and not isinstance(value, types):
-            raise UserError(
-                f"{path}: {key} is {value!r}, not {' or '.join(t.__name__ for t in types)}; the file was edited or "
-                "is not tuneforge's; fix it, or pass --template NAME (and --system) to chat"
-            )
-    return meta

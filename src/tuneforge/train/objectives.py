@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tuneforge.config.schema import PreferenceConfig, RLConfig
+from tuneforge.data.conversation import Conversation
 from tuneforge.data.templates import ChatTemplate
 from tuneforge.distributed import gather_objects
 from tuneforge.engines import Engine
@@ -54,6 +55,8 @@ class PromptContext:
     template: ChatTemplate
     seed: int
     """The run's seed: with the step, a prompt's index and a completion's number, what its sampling draws."""
+    prompts: Callable[[int], Conversation] | None = None
+    """Each prompt's conversation by data index, for rewards that read it (a reward model)."""
 
 
 def _cross_entropy(given: ObjectiveInputs) -> Objective:
@@ -127,6 +130,7 @@ def _group_relative(given: ObjectiveInputs) -> Objective:
         given.balance,
         engine.sum_tensor_across_ranks,
         context.seed,
+        context.prompts,
     )
 
 

@@ -18,7 +18,7 @@ from tuneforge.config import Config, dump_config
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.loader import make_planner, padding_by_strategy
 from tuneforge.data.pipeline import PreparedData, prepare_data
-from tuneforge.data.prompts import room_for
+from tuneforge.data.prompts import prompt_lookup, room_for
 from tuneforge.data.report import format_report, nothing_trains
 from tuneforge.data.templates import get_template
 from tuneforge.diagnostics.recorder import RECORDER
@@ -46,7 +46,7 @@ from tuneforge.model.router_balance import RouterBalance, attach_router_balance
 from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.model.trainable import make_trainable
 from tuneforge.model.vision_training import part_learning_rates, settings_of
-from tuneforge.objective.rewards import ALLOW_REWARD_CODE, build_rewards
+from tuneforge.objective.rewards import ALLOW_REWARD_CODE, build_rewards, load_reward_models
 from tuneforge.run_files import RunFiles
 from tuneforge.train.checkpoint import tidy_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
@@ -59,6 +59,7 @@ from tuneforge.train.parts import RunParts, StepGroups
 from tuneforge.train.plot import plot_at_end
 from tuneforge.train.reference import reference_pass
 from tuneforge.train.resume import checked_resume, resume_from, run_precision
+from tuneforge.train.reward_model import reward_model_scorer
 from tuneforge.train.sinks import require_packages
 from tuneforge.train.state import data_changed_note
 from tuneforge.train.validate import validation_batches
@@ -201,7 +202,9 @@ def setup(
     if vision is not None:
         tokenizer, template = vision.tokenizer, vision.template
     # Rewards first: one that may not run (python code without --allow-reward-code) is said before anything loads.
-    rewards = build_rewards(cfg.rl.rewards, os.environ.get(ALLOW_REWARD_CODE) == "1") if cfg.objective.prompted else []
+    rewards = []
+    if cfg.objective.prompted:
+        rewards = build_rewards(cfg.rl.rewards, os.environ.get(ALLOW_REWARD_CODE) == "1", reward_model_scorer)
     watchdog.beat("data", training=False)
     data = load_data(cfg, tokenizer, template, info, say, vision)
     if cfg.watchdog.doctor != "off":
@@ -241,7 +244,18 @@ def setup(
         reference_table = reference_pass(cfg, engine, data, tokenizer, layout, work_dir, watchdog, say)
     prompts = None
     if cfg.objective.prompted:
-        prompts = PromptContext(cfg.rl, rewards, data.train.data.answers, tokenizer, template, cfg.train.seed)
+        if any(reward.needs_prompts for reward in rewards):
+            watchdog.beat("model", training=False)  # weights loading: the start-up limit
+            load_reward_models(rewards, info.device, cfg.train.precision)
+        prompts = PromptContext(
+            cfg.rl,
+            rewards,
+            data.train.data.answers,
+            tokenizer,
+            template,
+            cfg.train.seed,
+            prompt_lookup(data.train.data),
+        )
     objective = build_objective(
         engine,
         cfg.train.precision,

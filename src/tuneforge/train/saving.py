@@ -18,6 +18,7 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers import PreTrainedTokenizerBase
 
+from tuneforge.checkpoint_records import QUANTIZED_EXPERTS
 from tuneforge.config.schema import Config
 from tuneforge.data.templates import DEFAULT_TEMPLATE, TOKENIZER
 from tuneforge.distributed import barrier
@@ -26,7 +27,6 @@ from tuneforge.errors import SharedUserError, first_line
 from tuneforge.model.quantized_experts import quantized_experts_count
 from tuneforge.model.vision import is_vision_model
 from tuneforge.train.checkpoint import (
-    QUANTIZED_EXPERTS,
     commit_checkpoint,
     directory_bytes,
     fresh_dir,

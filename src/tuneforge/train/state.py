@@ -19,10 +19,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tuneforge.checkpoint_records import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta
 from tuneforge.config.schema import QuantizationConfig
 from tuneforge.errors import UserError, first_line
 from tuneforge.run_files import RunFiles
-from tuneforge.train.checkpoint import QUANTIZED_EXPERTS, checkpoint_problems, read_chat_meta, step_checkpoints
+from tuneforge.train.checkpoint import step_checkpoints
 
 TRAINING_STATE = "training_state"
 STATE_FILE = "state.json"
