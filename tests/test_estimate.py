@@ -556,4 +556,6 @@ def test_a_grpo_reward_model_counts_whole_on_each_rank_in_the_compute_dtype(llam
     for path in ("full", "adapter"):
         rl = {"rewards": [{"kind": "model", "path": str(tmp_path / path)}]}
         eight = estimate(config(**grpo, rl=rl), llama, "fsdp", 8, H100)
-        assert row(eight, "reward model").gpu == values * 2  # bf16, not divided by the ranks
+        # bf16, not divided by the ranks; an adapter's own weights (LoRA factors, its score head) on top of its base
+        expected = values * 2 if path == "full" else pytest.approx(values * 2, rel=0.1)
+        assert row(eight, "reward model").gpu == expected

@@ -135,6 +135,7 @@ def test_results_go_to_the_runs_work_dir_or_to_out(tmp_path):
 
 
 def test_a_task_the_harness_cannot_build_is_refused_before_the_model_loads(tmp_path, offline, monkeypatch):
+    import tuneforge.export  # before the patch: it binds the real load_trained by name
     import tuneforge.trained
 
     checkpoint = adapter_checkpoint(tmp_path, trained=True)
@@ -241,7 +242,7 @@ def test_eval_lm_eval_in_a_config_is_checked_before_training(tmp_path, monkeypat
     assert config.eval.lm_eval.batch_size == 16 and config.eval.lm_eval.base is True
     assert eval_command(config.eval.lm_eval, tmp_path / "run", "cuda:0")[1:] == [
         *("-m", "tuneforge", "eval", str(tmp_path / "run"), "--tasks", "hex.yaml,arc_easy"),
-        *("--batch-size", "16", "--device", "cuda:0", "--limit", "40"),
+        *("--batch-size", "16", "--device", "cuda:0", "--dtype", "fp32", "--limit", "40"),
     ]
     with pytest.raises(UserError, match=r"eval\.lm_eval\.tasks"):
         load_config(REPO / "configs" / "demo.yaml", ["eval.lm_eval={tasks: []}"])
@@ -326,3 +327,94 @@ def test_local_task_files_in_a_config_are_beside_it_like_its_data(tmp_path, monk
     monkeypatch.chdir(tmp_path.parent)  # not the config's folder
     tasks = load_config(tmp_path / "cfg.yaml").eval.lm_eval.tasks
     assert tasks == [str(tmp_path / "tasks" / "mine.yaml"), "hellaswag", "elsewhere.yaml"]
+
+
+@pytest.mark.slow
+def test_step_checkpoints_are_scored_on_two_ranks_as_tuneforge_eval_scores_them(tmp_path, offline):
+    """`at_checkpoints`: after each step checkpoint both ranks wait (one small vote a second) while the first
+    scores it in a process of its own; the result equals `tuneforge eval` on the same checkpoint afterwards."""
+    from conftest import launch
+
+    choice = write_task(tmp_path, CHOICE_TASK, "choice")
+    settings = f"eval.lm_eval={{tasks: [{choice}], limit: 20, batch_size: 20, at_checkpoints: true, base: false}}"
+    overrides = [*DEMO_OVERRIDES, "train.max_steps=20", "checkpoint.every_steps=10", "checkpoint.keep_last=null"]
+    overrides += ["checkpoint.save_final=false", settings, f"data.cache_dir={tmp_path}"]
+    work_dir = tmp_path / "run"
+    trained = launch(REPO / "configs" / "demo.yaml", work_dir, *overrides, ranks=2, timeout=600)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert re.search(r"eval\.lm_eval @ step 10: hex_rgb_choice: acc 0\.\d{4}", trained.stdout)
+    assert "no final checkpoint to score" in trained.stdout
+    for step in (10, 20):
+        during = json.loads((work_dir / "eval" / f"lm_eval-step-{step}.json").read_text())
+        assert (work_dir / "eval" / f"lm_eval-step-{step}.log").read_text()
+        after = tmp_path / f"after-{step}.json"
+        checkpoint = work_dir / "checkpoints" / f"step-{step}"
+        scored = tuneforge_here(
+            "eval", str(checkpoint), "--tasks", str(choice), "--limit", "20", "--no-base", "--out", str(after)
+        )
+        assert scored.returncode == 0, scored.stderr[-2000:]
+        task = "hex_rgb_choice"
+        assert during["results"][task]["acc,none"] == json.loads(after.read_text())["results"][task]["acc,none"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_scoring_past_its_time_is_ended_and_training_goes_on(tmp_path, offline):
+    choice = write_task(tmp_path, CHOICE_TASK, "choice")
+    settings = f"eval.lm_eval={{tasks: [{choice}], limit: 4, at_checkpoints: true, base: false, timeout_s: 1}}"
+    overrides = [*DEMO_OVERRIDES, "train.max_steps=4", "checkpoint.every_steps=2", "checkpoint.save_final=false"]
+    trained = train_here(REPO / "configs" / "demo.yaml", tmp_path / "run", *overrides, settings)
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+    said = "not scored: it ran past eval.lm_eval.timeout_s (1s)"
+    assert trained.stdout.count(said) == 2, trained.stdout[-3000:]
+    assert not (tmp_path / "run" / "eval" / "lm_eval-step-2.json").exists()
+    assert len([r for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if r]) == 4
+
+
+def test_scoring_at_checkpoints_needs_step_checkpoints():
+    from tuneforge.config.schema import Config
+
+    with pytest.raises(ValueError, match=r"checkpoint\.every_steps is 0"):
+        Config.model_validate(
+            {
+                "model": {"architecture": "llama", "tokenizer": "bytes"},
+                "data": {"train_files": ["x.jsonl"]},
+                "checkpoint": {"every_steps": 0},
+                "eval": {"lm_eval": {"tasks": ["t"], "at_checkpoints": True}},
+            }
+        )
+
+
+@pytest.mark.slow
+def test_a_scoring_ends_when_the_training_run_is_killed(tmp_path, offline):
+    """No process left behind: the run SIGKILLed while a checkpoint is being scored, its scoring child goes too."""
+    import signal
+    import time
+
+    from conftest import TUNEFORGE
+
+    choice = write_task(tmp_path, CHOICE_TASK, "choice")
+    settings = f"eval.lm_eval={{tasks: [{choice}], at_checkpoints: true, base: false, batch_size: 1}}"
+    overrides = [*DEMO_OVERRIDES, "train.max_steps=4", "checkpoint.every_steps=2", settings]
+    work_dir = tmp_path / "run"
+    command = [TUNEFORGE, "train", str(REPO / "configs" / "demo.yaml"), "--work-dir", str(work_dir), *overrides]
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        children: list[int] = []
+        while time.monotonic() < deadline and not children:
+            time.sleep(0.2)
+            children = [int(c) for c in Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()]
+        assert children, "no scoring child started"
+        time.sleep(1.0)  # the child is importing torch and the harness
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and Path(f"/proc/{children[0]}").exists():
+            state = Path(f"/proc/{children[0]}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z":
+                break
+            time.sleep(0.1)
+        alive = Path(f"/proc/{children[0]}").exists()
+        assert not alive or Path(f"/proc/{children[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:
+        run.kill()

@@ -502,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
         from tuneforge.launcher_watch import follow_launcher
 
         follow_launcher()  # first: a worker whose launcher is killed during its start-up goes too
+    if args.command == "eval":
+        from tuneforge.launcher_watch import follow_parent_if_asked
+
+        follow_parent_if_asked()  # a checkpoint's scoring ends with the training run that started it
     try:
         if args.command == "train":
             return _train(args)

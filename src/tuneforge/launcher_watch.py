@@ -49,13 +49,28 @@ def follow_launcher() -> None:
     threading.Thread(target=_watch, args=(launcher,), name="tuneforge-launcher-watch", daemon=True).start()
 
 
-def _watch(launcher: int, gone: bool = False) -> None:
+FOLLOW_PARENT = "TUNEFORGE_FOLLOW_PARENT"
+"""Set to 1 for a helper process a training run starts (a checkpoint's scoring): it ends with the run."""
+
+
+def follow_parent_if_asked() -> None:
+    """A helper of a training run (`FOLLOW_PARENT` set) exits within `POLL_S` of the run's death (a SIGKILL, the
+    OOM killer), so no scoring is left behind holding a GPU."""
+    if os.environ.get(FOLLOW_PARENT) != "1":
+        return
+    parent = os.getppid()
+    message = f"tuneforge: the training run (process {parent}) that started this is gone; stopping"
+    threading.Thread(target=_watch, args=(parent, False, message), name="tuneforge-parent-watch", daemon=True).start()
+
+
+def _watch(launcher: int, gone: bool = False, message: str | None = None) -> None:
     while not gone and os.getppid() == launcher:
         time.sleep(POLL_S)
     rank = os.environ.get("RANK", "?")
     with contextlib.suppress(OSError):  # the launcher's terminal or pipe may be gone with it
         print(
-            f"tuneforge: rank {rank}: its launcher (process {launcher}) is gone; stopping now without a checkpoint "
+            message
+            or f"tuneforge: rank {rank}: its launcher (process {launcher}) is gone; stopping now without a checkpoint "
             "(--resume auto continues from the newest complete one)",
             file=sys.stderr,
             flush=True,

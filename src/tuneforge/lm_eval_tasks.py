@@ -52,13 +52,21 @@ def check_settings(settings: Any) -> list[str]:
     return parse_tasks(",".join(settings.tasks))
 
 
-def eval_command(settings: Any, work_dir: Path, device: str, trust_remote_code: bool = False) -> list[str]:
-    """The `tuneforge eval` command line that scores a run's final checkpoint as `eval.lm_eval` asks."""
-    command = [sys.executable, "-m", "tuneforge", "eval", str(work_dir), "--tasks", ",".join(settings.tasks)]
-    command += ["--batch-size", str(settings.batch_size), "--device", device]
+def eval_command(
+    settings: Any,
+    target: Path,
+    device: str,
+    trust_remote_code: bool = False,
+    base: bool | None = None,
+    dtype: str = "fp32",
+) -> list[str]:
+    """The `tuneforge eval` command line that scores `target` (a run's work dir: its final checkpoint; or a
+    checkpoint) as `eval.lm_eval` asks; `base`: score the base beside it (default: the setting's)."""
+    command = [sys.executable, "-m", "tuneforge", "eval", str(target), "--tasks", ",".join(settings.tasks)]
+    command += ["--batch-size", str(settings.batch_size), "--device", device, "--dtype", dtype]
     if settings.limit is not None:
         command += ["--limit", str(settings.limit)]
-    if not settings.base:
+    if not (settings.base if base is None else base):
         command.append("--no-base")
     if trust_remote_code:
         command.append("--trust-remote-code")

@@ -281,14 +281,14 @@ def base_dtype(path: str) -> torch.dtype:
     return DTYPES.get(name, torch.float32)
 
 
-def reward_model_values(path: str) -> int:
-    """Weight values of the reward model at `path` once merged (an adapter's base, plus its own head): read from
-    the safetensors headers, nothing loaded. 0 where they cannot be read (the run says why when it loads)."""
+def model_values(path: str | Path) -> int:
+    """Weight values of the model at `path` as it loads (an adapter's base and the adapter): from the safetensors
+    headers, nothing loaded. 0 where they cannot be read (what loads it next says why)."""
     checkpoint = Path(path)
     try:
         files = _weight_files(checkpoint) or []
         if is_adapter(checkpoint):
-            files = [*(_weight_files(Path(adapter_base(checkpoint))) or [])]
+            files += _weight_files(Path(adapter_base(checkpoint))) or []
         values = 0
         for file in files:
             with safe_open(file, "pt") as handle:

@@ -273,6 +273,14 @@ class LmEvalConfig(Section):
     base: bool = True
     """Also score the model training started from, beside the trained one."""
 
+    at_checkpoints: bool = False
+    """Also score each step checkpoint when it is saved (`checkpoint.every_steps`), the model alone, into
+    `eval/lm_eval-step-N.json`: training waits while the harness runs on the first rank's device, when the
+    device has room for the model beside training's memory (else that checkpoint is skipped, said)."""
+
+    timeout_s: float = Field(7200.0, gt=0)
+    """A checkpoint's scoring that runs longer is ended (said) and training goes on."""
+
 
 class EvalConfig(Section):
     every_steps: int = Field(0, ge=0)
@@ -390,6 +398,16 @@ class Config(Section):
         problems = self.objective.problems(self)
         if problems:
             raise ValueError(problems[0])
+        return self
+
+    @model_validator(mode="after")
+    def _checkpoints_to_score(self) -> Config:
+        scoring = self.eval.lm_eval
+        if scoring is not None and scoring.at_checkpoints and not self.checkpoint.every_steps:
+            raise ValueError(
+                "eval.lm_eval.at_checkpoints scores step checkpoints, and checkpoint.every_steps is 0: set it, or "
+                "leave at_checkpoints off (the final checkpoint is scored either way)"
+            )
         return self
 
     @property

@@ -66,11 +66,11 @@ def reward_model_rows(cfg: Config, compute_bytes: int) -> list[Row]:
     """Online RL's reward models: each rank holds a whole copy, in the compute dtype."""
     if not cfg.objective.prompted:
         return []
-    from tuneforge.trained import reward_model_values
+    from tuneforge.trained import model_values
 
     rows = []
     for reward in cfg.rl.rewards:
-        if reward.kind == "model" and (values := reward_model_values(reward.path)):
+        if reward.kind == "model" and (values := model_values(reward.path)):
             rows.append(Row(f"reward model: {count_label(values)} values, whole on each rank", values * compute_bytes))
     return rows
 

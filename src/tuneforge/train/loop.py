@@ -23,6 +23,7 @@ from tuneforge.generate import generate_replies
 from tuneforge.model.transfer import to_device
 from tuneforge.objective import Objective
 from tuneforge.run_files import RunFiles
+from tuneforge.train.checkpoint_scores import checkpoint_scores
 from tuneforge.train.metrics import MetricsLog
 from tuneforge.train.parts import RunParts
 from tuneforge.train.progress import ProgressReporter
@@ -344,6 +345,7 @@ class Trainer:
         )
         self.checkpoints_dir = RunFiles(parts.work_dir).checkpoints
         self.data_signature = parts.planner.data.signature()  # recorded in every step checkpoint
+        self.checkpoint_scores = checkpoint_scores(parts, self.progress.log)
         self.checkpointer = Checkpointer(
             parts.engine,
             parts.tokenizer,
@@ -409,7 +411,9 @@ class Trainer:
                     if sampling:
                         self.sample_chats(step)
                     if saving:
-                        self.checkpointer.save_step(self.resume_point(step, epoch))
+                        saved = self.checkpointer.save_step(self.resume_point(step, epoch))
+                        if self.checkpoint_scores is not None:
+                            self.checkpoint_scores.score(step, saved)
                     self._stop_if_asked(step, epoch)
             if cfg.eval.sample_prompts:
                 self.sample_chats(self.total_steps)
