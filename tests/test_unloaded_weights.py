@@ -126,3 +126,18 @@ def test_the_doctor_names_the_weights_that_will_not_train(build, extras, tmp_pat
         assert "model.layers.2.self_attn.q_proj.weight, mtp.0.eh_proj.weight, mtp.0.norm.weight" in check.detail
     else:  # DeepseekV2's per-expert keys load into its fused experts: in place, not unloaded
         assert check.status == PASS, check.detail
+
+
+def test_a_hub_model_is_read_from_the_snapshot_it_was_downloaded_into(tmp_path):
+    """`model.path: org/name`: the weights transformers skips are found in the hub cache's snapshot, as they are
+    in a local directory (a hub cache laid out as huggingface_hub writes it; nothing is fetched)."""
+    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--tiny--with-mtp"
+    saved_model(repo / "snapshots" / commit, tiny_llama(demo_tokenizer()))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    model = load_keeping_unloaded(AutoModelForCausalLM, "tiny/with-mtp", cache_dir=str(cache), local_files_only=True)
+    assert recall(model).names == tuple(sorted(EXTRAS))
+    assert recall(model).source == repo / "snapshots" / commit
+    write_model_files(model, demo_tokenizer(), tmp_path / "saved", {"template": "deepseek_coder", "system": None})
+    assert_carried(tmp_path / "saved")

@@ -67,8 +67,25 @@ def find_unloaded(model: Any, directory: Path, loading_info: dict) -> UnloadedWe
 def load_keeping_unloaded(model_class: Any, path: str | Path, **options: Any) -> Any:
     """`model_class.from_pretrained(path, **options)`, remembering on the model what it did not load."""
     model, info = model_class.from_pretrained(path, output_loading_info=True, **options)
-    remember(model, find_unloaded(model, Path(path), info))
+    remember(model, find_unloaded(model, model_directory(path, options), info))
     return model
+
+
+def model_directory(path: str | Path, options: dict[str, Any]) -> Path:
+    """Where `from_pretrained(path)` read the weights: `path` itself, or for a hub id the snapshot of the local
+    hub cache it was downloaded into (at the revision and cache directory the options name)."""
+    local = Path(path)
+    if local.is_dir():
+        return local
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(
+            str(path), "config.json", cache_dir=options.get("cache_dir"), revision=options.get("revision")
+        )
+    except ValueError:  # not a hub id either
+        return local
+    return Path(found).parent if isinstance(found, str) else local
 
 
 def remember(model: Any, unloaded: UnloadedWeights | None) -> None:
