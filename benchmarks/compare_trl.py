@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -206,7 +207,16 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
-def run_trl(root: Path, model: str, strategy: str, steps: int, lr: float, precision: str, max_length: int) -> dict:
+def run_trl(
+    root: Path,
+    model: str,
+    strategy: str,
+    steps: int,
+    lr: float,
+    precision: str,
+    max_length: int,
+    checkpointing: bool = False,
+) -> dict:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -235,6 +245,9 @@ def run_trl(root: Path, model: str, strategy: str, steps: int, lr: float, precis
         packing=packing,
         packing_strategy=strategy if packing else "bfd",
         completion_only_loss=True,
+        # SFTConfig turns activation checkpointing on by default; here both contenders run with the same setting,
+        # off unless --activation-checkpointing (before 2026-12-07 TRL ran with it and tuneforge without).
+        gradient_checkpointing=checkpointing,
         dataloader_num_workers=0,
         seed=0,
         disable_tqdm=True,
@@ -275,12 +288,20 @@ def run_trl(root: Path, model: str, strategy: str, steps: int, lr: float, precis
 
 
 def run_tuneforge(
-    root: Path, model: str, steps: int, lr: float, precision: str, max_length: int, compiled: bool = False
+    root: Path,
+    model: str,
+    steps: int,
+    lr: float,
+    precision: str,
+    max_length: int,
+    compiled: bool = False,
+    checkpointing: bool = False,
 ) -> dict:
     from tuneforge.config.schema import Config
     from tuneforge.train.run import run_training
 
     work_dir = root / f"out-{model}-tuneforge{'-compile' if compiled else ''}"
+    shutil.rmtree(work_dir, ignore_errors=True)  # a reused workspace's earlier run
     cfg = Config.model_validate(
         {
             "model": {"path": str(root / model), "dtype": "float32"},
@@ -302,6 +323,7 @@ def run_tuneforge(
                 "precision": precision,
                 "seed": 0,
                 "compile": compiled,
+                "gradient_checkpointing": checkpointing,
             },
             "checkpoint": {"every_steps": 0, "save_final": False},
             "log": {"progress": "lines", "plot": False},
@@ -344,11 +366,27 @@ def child(arguments: argparse.Namespace) -> None:
     if arguments.contender.startswith("tuneforge"):
         compiled = arguments.contender == "tuneforge-compile"
         result = run_tuneforge(
-            root, arguments.model, arguments.steps, arguments.lr, arguments.precision, 1024, compiled
+            root,
+            arguments.model,
+            arguments.steps,
+            arguments.lr,
+            arguments.precision,
+            1024,
+            compiled,
+            arguments.activation_checkpointing,
         )
     else:
         strategy = arguments.contender.removeprefix("trl-")
-        result = run_trl(root, arguments.model, strategy, arguments.steps, arguments.lr, arguments.precision, 1024)
+        result = run_trl(
+            root,
+            arguments.model,
+            strategy,
+            arguments.steps,
+            arguments.lr,
+            arguments.precision,
+            1024,
+            arguments.activation_checkpointing,
+        )
     # This VM's speed drifts with its neighbours: the peak is measured again right after the steps, in the
     # same process, and each contender's MFU is against its own (after peak RSS was read).
     result["peak_flops"] = matmul_peak(torch.bfloat16 if arguments.precision == "bf16" else torch.float32)
@@ -368,6 +406,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="every contender recomputes activations in backward"
+    )
     parser.add_argument("--workspace", help="reuse a workspace directory (built when empty)")
     parser.add_argument("--child", dest="contender", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -399,6 +440,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--child", contender, "--model", model, "--workspace", str(root)]
             command += ["--steps", str(arguments.steps), "--lr", str(arguments.lr)]
             command += ["--precision", arguments.precision]
+            command += ["--activation-checkpointing"] if arguments.activation_checkpointing else []
             started = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
