@@ -117,7 +117,6 @@ NEUTRAL_GENERATION = {
     "no_repeat_ngram_size": 0,
     "encoder_no_repeat_ngram_size": 0,
     "min_length": 0,
-    "min_new_tokens": 0,
     "guidance_scale": 1.0,
     "renormalize_logits": False,
     "remove_invalid_values": False,
@@ -149,13 +148,16 @@ def rollout_generation_config(
             "rollouts sample from away from the one the loss assumes; remove it from the model's "
             "generation_config.json for GRPO"
         )
+    neutral = dict(NEUTRAL_GENERATION)
+    if getattr(model_settings, "min_new_tokens", None) is not None:  # set only then: transformers warns of both
+        neutral["min_new_tokens"] = 0
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=stop_ids,
         pad_token_id=pad_id,
         use_cache=True,
-        **NEUTRAL_GENERATION,
+        **neutral,
     )
 
 
