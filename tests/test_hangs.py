@@ -239,6 +239,15 @@ FREEZE_CASES = {
             "sample_max_new_tokens: 4}"
         },
     ),
+    # A GRPO rollout: the generation phase at the start of every step.
+    "rollout": (
+        2,
+        {
+            "train.jsonl]": "prompts.jsonl]",
+            "max_steps: 6,": "max_steps: 6, objective: grpo,",
+            "log: {progress: lines}": "log: {progress: lines}\nrl: {generations: 2, max_completion_tokens: 4}",
+        },
+    ),
     # DPO with full fine-tuning precomputes its reference in one pass before the first step (phase "model").
     "model": (
         0,
@@ -250,9 +259,13 @@ FREEZE_CASES = {
 }
 
 
+PHASE_OF = {"rollout": "generation"}
+"""The watchdog's phase of each case not named after it."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", list(FREEZE_CASES), ids=lambda phase: phase.replace("/", "-"))
-def test_a_rank_frozen_in_any_phase_is_named_within_the_stall_limit(tmp_path, phase):
+@pytest.mark.parametrize("case", list(FREEZE_CASES), ids=lambda case: case.replace("/", "-"))
+def test_a_rank_frozen_in_any_phase_is_named_within_the_stall_limit(tmp_path, case):
     """SIGSTOP on rank 1 (what Ctrl-Z, a debugger or a swapping machine does) as it enters each phase: rank 0 waits
     for it in a collective. Slow phases (a checkpoint save, the reference pass) allow rank 0 the start-up limit for
     itself, but a peer whose heartbeat stops is stalled whatever the phase: the report names the frozen rank as the
@@ -260,9 +273,11 @@ def test_a_rank_frozen_in_any_phase_is_named_within_the_stall_limit(tmp_path, ph
     3 within the stall limit (at least 10 s of missed beats) plus the grace, every time."""
     from test_preference import pair
 
-    step, changes = FREEZE_CASES[phase]
+    step, changes = FREEZE_CASES[case]
+    phase = PHASE_OF.get(case, case)
     write_jsonl(tmp_path / "train.jsonl", [chat(f"question {i}", f"answer {i * 7}") for i in range(16)])
     write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"question {i}", "answer": str(i * 7)} for i in range(16)])
     config = CONFIG.format(engine="ddp").replace("max_steps: 4", "max_steps: 6")
     for old, new in changes.items():
         assert old in config, old
