@@ -246,7 +246,8 @@ def setup(
     if cfg.objective.prompted:
         if any(reward.needs_prompts for reward in rewards):
             watchdog.beat("model", training=False)  # weights loading: the start-up limit
-            load_reward_models(rewards, info.device, cfg.train.precision)
+            with forked_rng(info.device):  # a score head made before the adapter's replaces it draws
+                load_reward_models(rewards, info.device, cfg.train.precision)
         prompts = PromptContext(
             cfg.rl,
             rewards,
