@@ -418,3 +418,44 @@ def test_a_scoring_ends_when_the_training_run_is_killed(tmp_path, offline):
         assert not alive or Path(f"/proc/{children[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     finally:
         run.kill()
+
+
+@pytest.mark.slow
+def test_a_stop_signal_during_a_scoring_stops_both_ranks_at_one_step(tmp_path, offline):
+    """SIGTERM while the first rank's scoring runs: every rank leaves the wait on the same vote (one rank leaving
+    alone would leave the other in a collective), the run stops with its step checkpoint, and no scoring is left."""
+    import signal
+    import time
+
+    from conftest import TUNEFORGE, free_port
+
+    choice = write_task(tmp_path, CHOICE_TASK, "choice")
+    settings = f"eval.lm_eval={{tasks: [{choice}], at_checkpoints: true, base: false, batch_size: 1}}"
+    overrides = [*DEMO_OVERRIDES, "train.max_steps=50", "checkpoint.every_steps=2", settings]
+    work_dir = tmp_path / "run"
+    command = [TUNEFORGE, "train", str(REPO / "configs" / "demo.yaml"), "--work-dir", str(work_dir), *overrides]
+    command += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = work_dir / "eval" / "lm_eval-step-2.log"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not log.exists():
+        time.sleep(0.2)
+    assert log.exists(), "the scoring of step 2 never started"
+    time.sleep(1.0)
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 143, out[-2000:] + err[-3000:]
+    assert "step 2 not scored: a stop signal arrived" in out, out[-3000:]
+    stopped = re.search(r"stopping after step (\d+): SIGTERM received by 2 of 2 rank\(s\)", out)
+    assert stopped, out[-3000:]
+    assert (work_dir / "checkpoints" / f"step-{stopped.group(1)}" / "model.safetensors").exists()
+    assert not (work_dir / "eval" / "lm_eval-step-4.log").exists()  # none started once the stop was known
+    scorers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(log.parent) in _cmdline(p)]
+    assert not scorers
+
+
+def _cmdline(process: Path) -> str:
+    try:
+        return (process / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -74,21 +74,30 @@ class CheckpointScores:
 
     def score(self, step: int, checkpoint: Path) -> None:
         self.beat()
+        (stopping,) = self.sum_across_ranks([float(self.stop_pending())])
+        if stopping:  # the run stops at its next check: no scoring to start and end
+            self.log(f"eval.lm_eval: step {step} not scored: a stop signal is pending")
+            return
         child = self._start(step, checkpoint) if self.is_main else None
-        started, ended_by = time.monotonic(), None
+        started = time.monotonic()
         while True:
             running = child is not None and child.poll() is None
-            if running and time.monotonic() - started > self.settings.timeout_s:
-                ended_by = f"it ran past eval.lm_eval.timeout_s ({self.settings.timeout_s:.0f}s)"
-            pending, stopping = self.sum_across_ranks([float(running and ended_by is None), float(self.stop_pending())])
-            if stopping and child is not None and ended_by is None and running:
-                ended_by = "a stop signal arrived"
-            if ended_by is not None or not pending:
+            late = running and time.monotonic() - started > self.settings.timeout_s
+            # Every rank leaves the loop on the same votes: a rank deciding alone would leave the others in it.
+            pending, stopping, over = self.sum_across_ranks([float(running), float(self.stop_pending()), float(late)])
+            if not pending or stopping or over:
                 break
             self.beat()
             time.sleep(POLL_S)
-        if child is not None:
-            self._finish(step, child, ended_by)
+        if child is None:
+            return
+        ended_by = None
+        if child.poll() is None:
+            limit = f"it ran past eval.lm_eval.timeout_s ({self.settings.timeout_s:.0f}s)"
+            ended_by = limit if over else "a stop signal arrived"
+        elif stopping and child.returncode != 0:  # the signal reached the scoring too (its process group)
+            ended_by = "a stop signal arrived"
+        self._finish(step, child, ended_by)
 
     def _start(self, step: int, checkpoint: Path) -> subprocess.Popen | None:
         needed = model_values(checkpoint) * EVAL_BYTES.get(self.dtype, 4) * ROOM_FACTOR
@@ -100,19 +109,23 @@ class CheckpointScores:
                 f"`tuneforge eval {checkpoint} --tasks {','.join(self.settings.tasks)}` (on another device: --device)"
             )
             return None
-        self.eval_dir.mkdir(parents=True, exist_ok=True)
         out = self.eval_dir / f"lm_eval-step-{step}.json"
         command = eval_command(
             self.settings, checkpoint, str(self.device), self.trust_remote_code, base=False, dtype=self.dtype
         )
         command += ["--out", str(out)]
         self.log(f"eval.lm_eval: scoring step {step} ({' '.join(command[3:])})")
-        with (self.eval_dir / f"lm_eval-step-{step}.log").open("w", encoding="utf-8") as output:
-            # One process of its own: none of the rank's torchrun settings (which would make it a rank, watching
-            # for a launcher); it watches the run that started it instead.
-            env = {k: v for k, v in os.environ.items() if k not in RANK_SETTINGS and not k.startswith("TORCHELASTIC")}
-            env[FOLLOW_PARENT] = "1"
-            return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+        # One process of its own: none of the rank's torchrun settings (which would make it a rank, watching for a
+        # launcher); it watches the run that started it instead.
+        env = {k: v for k, v in os.environ.items() if k not in RANK_SETTINGS and not k.startswith("TORCHELASTIC")}
+        env[FOLLOW_PARENT] = "1"
+        try:
+            self.eval_dir.mkdir(parents=True, exist_ok=True)
+            with (self.eval_dir / f"lm_eval-step-{step}.log").open("w", encoding="utf-8") as output:
+                return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+        except OSError as exc:  # a full disk, a vanished interpreter: said, and training goes on
+            self.log(f"eval.lm_eval: step {step} not scored: the harness did not start ({exc})")
+            return None
 
     def _finish(self, step: int, child: subprocess.Popen, ended_by: str | None) -> None:
         log_file = self.eval_dir / f"lm_eval-step-{step}.log"
