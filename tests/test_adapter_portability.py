@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 
+import peft
 import pytest
 import torch
+from packaging.version import Version
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
@@ -37,6 +39,9 @@ def legacy_list_experts(tokenizer):
     }
     return module.LegacyMoEForCausalLM(config)
 
+
+PEFT_READS_MODULES = Version(peft.__version__) >= Version("0.22")
+"""PEFT 0.22's loader rewrites an adapter's targets from the base model's modules, no longer from names alone."""
 
 CASES = {
     "llama-linear": (tiny_llama, False),
@@ -86,8 +91,9 @@ def test_peft_loads_the_saved_adapter_with_the_trained_logits(tokenizer, tmp_pat
 
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     moved = [name for name in config.get("target_parameters") or [] if name.endswith(".weight")]
-    # Only where PEFT's loader would misread module names are linear layers listed by their weight.
-    assert bool(moved) == case.startswith("deepseek_v2")
+    # Only where PEFT's loader would misread module names are linear layers listed by their weight (PEFT 0.22 reads
+    # the base's modules and keeps linear targets as they are).
+    assert bool(moved) == (case.startswith("deepseek_v2") and not PEFT_READS_MODULES)
 
 
 def test_dora_adapters_peft_would_misread_are_left_as_trained_with_a_warning(tokenizer, tmp_path):
@@ -96,7 +102,10 @@ def test_dora_adapters_peft_would_misread_are_left_as_trained_with_a_warning(tok
         tiny_deepseek_v2(tokenizer), ModelConfig(architecture="llama", tokenizer="bytes", lora=settings), False
     )
     note = write_model_files(model, tokenizer, tmp_path, {})
-    assert note.startswith("warning: PEFT's own loader misreads the DoRA adapters on model.layers.0.mlp.")
+    if not PEFT_READS_MODULES:
+        assert note.startswith("warning: PEFT's own loader misreads the DoRA adapters on model.layers.0.mlp.")
+    else:  # PEFT 0.22 keeps targets that are linear layers in the base: it loads them as trained, nothing to say
+        assert note == ""
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert not config.get("target_parameters") and any(
         name.endswith("shared_experts.up_proj") for name in config["target_modules"]

@@ -15,7 +15,8 @@ from tuneforge.checkpoint_records import CHAT_META, read_chat_meta
 from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
-from tuneforge.model.portable_adapter import make_portable
+from tuneforge.model.build import model_class
+from tuneforge.model.portable_adapter import make_portable, plain_skeleton
 from tuneforge.model.unloaded_weights import UNLOADED_FILE, copy_unloaded, recall
 from tuneforge.model.vision import VisionParts
 from tuneforge.train.checkpoint import remove_entry, share_as_umask_allows
@@ -191,7 +192,9 @@ def _export_adapter(
     config = json.loads((checkpoint / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = str(Path(base_path).resolve())
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-    portable = make_portable(tmp, AutoConfig.from_pretrained(base_path, trust_remote_code=remote).model_type)
+    base_config = AutoConfig.from_pretrained(base_path, trust_remote_code=remote)
+    base_class = model_class(config.get("task_type") == "SEQ_CLS", is_vision_checkpoint(base_path))
+    portable = make_portable(tmp, base_config.model_type, plain_skeleton(base_class, base_config))
     weights = load_file(checkpoint / ADAPTER_WEIGHTS)
     if dtype_name:
         weights = {name: tensor.to(EXPORT_DTYPES[dtype_name]) for name, tensor in weights.items()}

@@ -17,14 +17,35 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
+
+import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _as_peft_loads_it(config: dict, model_type: str) -> object | None:
-    """What PEFT's loader makes of `config` on a base of `model_type`; None where this PEFT has no such rewrite."""
+Skeleton = Callable[[], Any]
+"""Builds the plain base model's structure (its modules on the meta device, no weights): what PEFT's loader
+looks at when it rewrites a config (from PEFT 0.22 it reads the modules, not only the model type)."""
+
+
+def plain_skeleton(model_class: Any, config: Any) -> Skeleton:
+    """A `Skeleton` of `model_class` (a transformers class or auto class) built from `config`."""
+
+    def build() -> Any:
+        with torch.device("meta"):
+            if hasattr(model_class, "from_config"):
+                return model_class.from_config(config)
+            return model_class(config)
+
+    return build
+
+
+def _as_peft_loads_it(config: dict, skeleton: Skeleton) -> object | None:
+    """What PEFT's loader makes of `config` on the base `skeleton` builds; None where this PEFT has no such
+    rewrite."""
     try:
         from peft import LoraConfig
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
@@ -32,14 +53,13 @@ def _as_peft_loads_it(config: dict, model_type: str) -> object | None:
         return None
     known = {k: v for k, v in copy.deepcopy(config).items() if k in LoraConfig.__dataclass_fields__}
     loaded = LoraConfig(**known)
-    base = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
-    convert_peft_config_for_transformers(loaded, base, None)
+    convert_peft_config_for_transformers(loaded, skeleton(), None)
     return loaded
 
 
-def rewritten_targets(config: dict, model_type: str) -> list[str]:
-    """The `target_modules` entries PEFT's loader would drop or reinterpret for this base model type."""
-    loaded = _as_peft_loads_it(config, model_type)
+def rewritten_targets(config: dict, skeleton: Skeleton) -> list[str]:
+    """The `target_modules` entries PEFT's loader would drop or reinterpret for this base model."""
+    loaded = _as_peft_loads_it(config, skeleton)
     if loaded is None:
         return []
     kept = set(loaded.target_modules or [])
@@ -47,12 +67,12 @@ def rewritten_targets(config: dict, model_type: str) -> list[str]:
     return sorted(name for name in config.get("target_modules") or [] if name not in kept)
 
 
-def make_portable(directory: Path, model_type: str) -> str:
-    """Rewrite `directory/adapter_config.json` so that PEFT loads it as trained; returns a line saying what was
-    changed ('' when nothing needed to be)."""
+def make_portable(directory: Path, model_type: str, skeleton: Skeleton) -> str:
+    """Rewrite `directory/adapter_config.json` so that PEFT loads it as trained onto the base `skeleton` builds
+    (of `model_type`); returns a line saying what was changed ('' when nothing needed to be)."""
     path = directory / ADAPTER_CONFIG
     config = json.loads(path.read_text(encoding="utf-8"))
-    moved = rewritten_targets(config, model_type)
+    moved = rewritten_targets(config, skeleton)
     if moved and config.get("use_dora"):
         # PEFT has no DoRA for adapters named by weight: say so (never fail a save in the middle of training).
         return (
@@ -76,6 +96,6 @@ def make_portable(directory: Path, model_type: str) -> str:
             lines.append("adapter_config.json: lora_dropout 0, which PEFT's loader needs for adapters named by weight")
     if not lines:
         return ""
-    assert not rewritten_targets(config, model_type), "the portable config is still rewritten"
+    assert not rewritten_targets(config, skeleton), "the portable config is still rewritten"
     path.write_text(json.dumps(config, indent=2), encoding="utf-8")
     return "; ".join(lines)

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tuneforge.checkpoint_records import CHAT_META, MANIFEST
 from tuneforge.errors import UserError
-from tuneforge.model.portable_adapter import make_portable
+from tuneforge.model.portable_adapter import make_portable, plain_skeleton
 from tuneforge.model.unloaded_weights import copy_unloaded, recall
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -38,7 +38,10 @@ def write_model_files(
         generation.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     adapter = hasattr(model, "peft_config")
-    note = make_portable(directory, model.get_base_model().config.model_type) if adapter else ""
+    note = ""
+    if adapter:
+        base = model.get_base_model()
+        note = make_portable(directory, base.config.model_type, plain_skeleton(type(base), base.config))
     if not adapter:  # an adapter's base keeps its own; a full model carries what transformers did not load
         copy_unloaded(recall(model), directory)
     # A vision-language model's processor: its tokenizer, image processor and chat template, for
