@@ -128,9 +128,14 @@ def test_the_doctor_names_the_weights_that_will_not_train(build, extras, tmp_pat
         assert check.status == PASS, check.detail
 
 
-def test_a_hub_model_is_read_from_the_snapshot_it_was_downloaded_into(tmp_path):
+def test_a_hub_model_is_read_from_the_snapshot_it_was_downloaded_into(tmp_path, monkeypatch):
     """`model.path: org/name`: the weights transformers skips are found in the hub cache's snapshot, as they are
     in a local directory (a hub cache laid out as huggingface_hub writes it; nothing is fetched)."""
+    import huggingface_hub.constants
+
+    # Offline: transformers would otherwise ask the hub for an adapter config of this id (and wait on it).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
     repo = cache / "models--tiny--with-mtp"
     saved_model(repo / "snapshots" / commit, tiny_llama(demo_tokenizer()))
