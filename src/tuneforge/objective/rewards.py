@@ -1,9 +1,8 @@
 """Rewards of online RL (`rl.rewards`): each scores a batch of completions against their prompts' answers.
 
 The built-ins are data: a received config can name them and no code of its own runs; so is a reward model,
-whose weights are read without running code. A `python` reward imports a
-function by name, which runs code: it is built only when the user passes `--allow-reward-code` on the command line,
-never because a config asks.
+whose weights are read without running code. A `python` reward imports a function by name, which runs code: it
+is built only when the user passes `--allow-reward-code` on the command line, never because a config asks.
 """
 
 from __future__ import annotations

@@ -20,10 +20,8 @@ from tuneforge.config.schema import RewardSpec
 from tuneforge.data.conversation import Conversation
 from tuneforge.data.templates import ChatTemplate, get_template, recorded_template
 from tuneforge.errors import UserError
-from tuneforge.model.precision import autocast
+from tuneforge.model.precision import AUTOCAST_DTYPES, autocast
 from tuneforge.trained import is_reward_model, load_trained
-
-HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class RewardModelScorer:
@@ -67,7 +65,7 @@ class RewardModelScorer:
         self.system = meta.get("system")
         self.tokenizer = trained.tokenizer
         # Scored in the run's compute dtype: a 7B reward model takes 14 GB beside the policy, not 28.
-        dtype = HALF_DTYPES.get(precision, torch.float32)
+        dtype = AUTOCAST_DTYPES.get(precision, torch.float32)
         self.model = trained.model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.device, self.precision = device, precision
         if getattr(self.model.config, "num_labels", 1) != 1:
