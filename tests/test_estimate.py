@@ -559,3 +559,14 @@ def test_a_grpo_reward_model_counts_whole_on_each_rank_in_the_compute_dtype(llam
         # bf16, not divided by the ranks; an adapter's own weights (LoRA factors, its score head) on top of its base
         expected = values * 2 if path == "full" else pytest.approx(values * 2, rel=0.1)
         assert row(eight, "reward model").gpu == expected
+
+
+def test_a_grpo_vllm_engine_takes_its_share_of_the_gpu(llama):
+    """`rl.generator: vllm`: the engine's share of each GPU (its merged weights and KV cache), no row otherwise."""
+    grpo = {"train": {"objective": "grpo"}, "model": LORA}
+    without = estimate(config(**grpo), llama, "single", 1, H100)
+    assert not any(r.label.startswith("vLLM engine") for r in without.rows)
+    rl = {"generator": "vllm", "vllm": {"gpu_memory_utilization": 0.4}}
+    with_vllm = estimate(config(**grpo, rl=rl), llama, "single", 1, H100)
+    assert row(with_vllm, "vLLM engine").gpu == pytest.approx(0.4 * H100.memory_gib * 2**30)
+    assert with_vllm.peak_gpu - without.peak_gpu == pytest.approx(0.4 * H100.memory_gib * 2**30, rel=0.01)

@@ -18,6 +18,7 @@ from tuneforge.data.templates import IGNORE_INDEX, get_template
 from tuneforge.errors import UserError
 from tuneforge.objective.group_relative import GroupRelativePolicy, group_advantages, policy_loss
 from tuneforge.objective.rewards import build_rewards
+from tuneforge.rollout_samplers import TransformersSampler
 
 
 def test_group_advantages_sum_to_zero_and_scale_as_asked():
@@ -175,7 +176,8 @@ def one_rank_policy(forward, settings: RLConfig, tokenizer, answers: list[str], 
     """GRPO as one process runs it, rewarding completions by their closeness to `target_length` characters."""
     rewards = build_rewards([RewardSpec(kind="length", target_length=target_length)])
     stops, stop_ids = [tokenizer.eos_token], [tokenizer.eos_token_id]
-    return GroupRelativePolicy(forward, settings, rewards, answers, tokenizer, stops, stop_ids, False, lambda v: [v])
+    sampler = TransformersSampler(forward.plain, settings, stop_ids, tokenizer.pad_token_id, forward.precision, False)
+    return GroupRelativePolicy(forward, settings, rewards, answers, tokenizer, stops, sampler, lambda v: [v])
 
 
 def test_a_rollout_turns_each_prompt_into_its_groups_rows(tokenizer):

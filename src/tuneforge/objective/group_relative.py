@@ -30,12 +30,12 @@ from tuneforge.config.schema import RLConfig
 from tuneforge.data.batching import MicroBatch
 from tuneforge.data.conversation import Conversation
 from tuneforge.data.templates import IGNORE_INDEX
-from tuneforge.generate import sample_completions
 from tuneforge.keyed_sampling import completion_keys
 from tuneforge.model.router_balance import RouterBalance
 from tuneforge.objective.base import Objective, StepData, SumAcrossRanks
 from tuneforge.objective.forward import TokenForward
 from tuneforge.objective.rewards import Reward
+from tuneforge.rollout_samplers import CompletionSampler
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo", "rloo")
 TOKEN_UNIT_LOSSES = ("dapo",)
@@ -148,8 +148,7 @@ class GroupRelativePolicy(Objective):
         answers: list[str],
         tokenizer,
         stop_strings: list[str],
-        stop_ids: list[int],
-        synced: bool,
+        sampler: CompletionSampler,
         gather: Callable[[object], list[object]],
         reference: Callable[[MicroBatch], torch.Tensor] | None = None,
         balance: RouterBalance | None = None,
@@ -165,8 +164,7 @@ class GroupRelativePolicy(Objective):
         self.answers = answers
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
-        self.stop_ids = stop_ids
-        self.synced = synced
+        self.sampler = sampler
         self.gather = gather
         self.reference = reference
         self.token_unit = settings.loss_type in TOKEN_UNIT_LOSSES
@@ -185,23 +183,13 @@ class GroupRelativePolicy(Objective):
         built, local = [], _Figures(len(self.rewards))
         samples = []
         started = time.monotonic()
+        self.sampler.begin()
         for batch in micro_batches:
             prompts = [
                 row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
             ]
-            completions, truncated = sample_completions(
-                self.forward.plain,
-                prompts,
-                settings.generations,
-                settings.max_completion_tokens,
-                settings.temperature,
-                settings.top_p,
-                self.stop_ids,
-                self.tokenizer.pad_token_id,
-                completion_keys(self.seed, step, batch.sample_indices, settings.generations),
-                self.forward.precision,
-                self.synced,
-            )
+            keys = completion_keys(self.seed, step, batch.sample_indices, settings.generations)
+            completions, truncated = self.sampler.sample(prompts, keys)
             rows_of = [index for index in batch.sample_indices for _ in range(settings.generations)]
             answers = [self.answers[index] for index in rows_of]
             texts = [self._text(ids) for ids in completions]
@@ -225,6 +213,7 @@ class GroupRelativePolicy(Objective):
                     {"prompt": self.tokenizer.decode(prompts[0]), "reply": text, "reward": float(value)}
                     for text, value in zip(texts, total.tolist()[: settings.generations], strict=False)
                 ]
+        self.sampler.end()
         if self.updates_per_step > 1:
             # The later updates' ratios are against the policy that sampled: its log-probabilities, taken now.
             with torch.no_grad():

@@ -27,6 +27,7 @@ from tuneforge.objective.preference import (
 )
 from tuneforge.objective.reward import RewardRanking
 from tuneforge.objective.rewards import Reward
+from tuneforge.rollout_samplers import build_sampler
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class PromptContext:
     seed: int
     """The run's seed: with the step, a prompt's index and a completion's number, what its sampling draws."""
     prompts: Callable[[int], Conversation] | None = None
+    max_prompt_tokens: int = 1024
+    """The longest prompt (`data.max_length`): with `rl.max_completion_tokens`, the longest sequence sampled."""
     """Each prompt's conversation by data index, for rewards that read it (a reward model)."""
 
 
@@ -123,8 +126,20 @@ def _group_relative(given: ObjectiveInputs) -> Objective:
         context.answers,
         context.tokenizer,
         stops,
-        stop_token_ids(context.tokenizer, stops),
-        engine.generates_in_lockstep,
+        build_sampler(
+            context.settings,
+            engine.unwrapped,
+            forward.plain,
+            stop_token_ids(context.tokenizer, stops),
+            context.tokenizer.pad_token_id,
+            forward.precision,
+            engine.generates_in_lockstep,
+            engine.info.world_size,
+            engine.info.device,
+            context.seed,
+            context.max_prompt_tokens,
+            engine.sharded,
+        ),
         lambda value: gather_objects(value, engine.info),
         reference,
         given.balance,

@@ -256,6 +256,7 @@ def setup(
             template,
             cfg.train.seed,
             prompt_lookup(data.train.data),
+            cfg.data.max_length,
         )
     objective = build_objective(
         engine,

