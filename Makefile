@@ -60,7 +60,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_rollouts.py
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm_rollouts.py tests/test_vllm_serving.py
 
 # On a machine with a CUDA GPU (and a CUDA build of torch): the GPU hot path's checks, skipped elsewhere.
 gpu-test: $(STAMP)

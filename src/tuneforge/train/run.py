@@ -47,6 +47,7 @@ from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.model.trainable import make_trainable
 from tuneforge.model.vision_training import part_learning_rates, settings_of
 from tuneforge.objective.rewards import ALLOW_REWARD_CODE, build_rewards, load_reward_models
+from tuneforge.rollout_samplers import generator_problem
 from tuneforge.run_files import RunFiles
 from tuneforge.train.checkpoint import tidy_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
@@ -303,6 +304,8 @@ def check_engine(cfg: Config, chosen: EngineChoice, info: DistInfo, tokenizer, s
         chosen.traits.check_compile()
         check_compiler(info.device)
     problems, line = chosen.model_problems(cfg, lambda: model_config(cfg.model, tokenizer), info.world_size)
+    if cfg.objective.prompted and (problem := generator_problem(cfg.rl, chosen.traits.sharded, info.world_size)):
+        problems.append(problem)
     if problems:  # from the config and the launch: every rank finds the same
         raise SharedUserError("\n".join(problems))
     if line:
