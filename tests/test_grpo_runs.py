@@ -125,18 +125,23 @@ def test_killed_then_resumed_equals_uninterrupted_rollouts_included(tmp_path, up
     """Each completion's draws are keyed by the seed, the step and the prompt: a resumed run samples the
     completions the uninterrupted one did, so its rewards and losses are the same (a step holds all the updates
     of its rollout, so a checkpoint never falls between them)."""
+    whole, resumed = killed_and_resumed(tmp_path, f"rl.updates_per_rollout={updates}")
+    keys = ("loss", "reward", "completion_length")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole]
+
+
+def killed_and_resumed(tmp_path: Path, *extra: str) -> tuple[list[dict], list[dict]]:
+    """`write_job` for 4 steps uninterrupted, and again killed in step 3 and resumed from step 2's checkpoint:
+    the metrics of each."""
     config = write_job(tmp_path)
-    extra = ("train.max_steps=4", "checkpoint.every_steps=2", f"rl.updates_per_rollout={updates}")
+    extra = ("train.max_steps=4", "checkpoint.every_steps=2", *extra)
     whole = launch(config, tmp_path / "whole", *extra)
     assert whole.returncode == 0, whole.stderr[-3000:]
     killed = launch(config, tmp_path / "run", *extra, fault="kill:0:3")
     assert killed.returncode != 0
     resumed = launch(config, tmp_path / "run", *extra, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    keys = ("loss", "reward", "completion_length")
-    assert [[r[k] for k in keys] for r in metrics(tmp_path / "run")] == [
-        [r[k] for k in keys] for r in metrics(tmp_path / "whole")
-    ]
+    return metrics(tmp_path / "whole"), metrics(tmp_path / "run")
 
 
 @pytest.mark.slow

@@ -98,15 +98,20 @@ def test_a_toy_objective_registered_here_alone_trains_through_the_cli(tmp_path, 
 def test_building_a_model_inside_forked_rng_leaves_the_runs_stream_as_it_was():
     import random
 
+    import numpy
     import torch
 
-    from tuneforge.train.run import forked_rng, seed_everything
+    from tuneforge.forked_rng import forked_rng
+    from tuneforge.train.run import seed_everything
 
     seed_everything(7)
-    expected = (random.random(), torch.rand(3))
+    numpy.random.seed(7)
+    expected = (random.random(), torch.rand(3), numpy.random.rand())
     seed_everything(7)
+    numpy.random.seed(7)
     with forked_rng(torch.device("cpu")):
         torch.nn.Linear(64, 64)  # initialisation draws from the generator
         random.random()
-    after = (random.random(), torch.rand(3))
-    assert after[0] == expected[0] and torch.equal(after[1], expected[1])
+        numpy.random.seed(0)  # as vLLM does when it starts
+    after = (random.random(), torch.rand(3), numpy.random.rand())
+    assert after[0] == expected[0] and torch.equal(after[1], expected[1]) and after[2] == expected[2]

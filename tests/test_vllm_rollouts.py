@@ -158,20 +158,10 @@ def test_vllm_samples_from_the_policys_current_weights(tmp_path, tokenizer, arch
 def test_a_vllm_run_killed_then_resumed_equals_uninterrupted(tmp_path):
     """Through `tuneforge train`: vLLM samples each completion from its key, so a run killed after a checkpoint
     and resumed (a new engine, refreshed from the restored policy) samples what the uninterrupted run did."""
-    from test_grpo_runs import write_job
+    from test_grpo_runs import killed_and_resumed
 
-    from conftest import launch, metrics
-
-    config = write_job(tmp_path)
-    extra = ("rl.generator=vllm", "train.max_steps=4", "checkpoint.every_steps=2", "rl.temperature=0.8")
-    extra += ("model.size={hidden_size: 128, intermediate_size: 256, num_hidden_layers: 2, num_attention_heads: 2}",)
-    whole = launch(config, tmp_path / "whole", *extra)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = launch(config, tmp_path / "run", *extra, fault="kill:0:3")
-    assert killed.returncode != 0
-    resumed = launch(config, tmp_path / "run", *extra, "--resume", "auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    size = "model.size={hidden_size: 128, intermediate_size: 256, num_hidden_layers: 2, num_attention_heads: 2}"
+    whole_records, resumed_records = killed_and_resumed(tmp_path, "rl.generator=vllm", "rl.temperature=0.8", size)
     keys = ("loss", "reward", "completion_length", "truncated")
-    whole_records, resumed_records = metrics(tmp_path / "whole"), metrics(tmp_path / "run")
     assert [[r[k] for k in keys] for r in resumed_records] == [[r[k] for k in keys] for r in whole_records]
     assert len({r["reward"] for r in whole_records}) > 1  # rollouts that differ from step to step

@@ -13,12 +13,12 @@ import os
 import tempfile
 from typing import Protocol
 
-import numpy
 import torch
 from torch import nn
 
 from tuneforge.config.rl_sections import RLConfig
 from tuneforge.errors import UserError
+from tuneforge.forked_rng import forked_rng
 from tuneforge.generate import sample_completions
 from tuneforge.model.precision import autocast
 from tuneforge.policy_weights import policy_weights
@@ -182,8 +182,6 @@ class VllmSampler:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
-        from tuneforge.train.run import forked_rng
-
         config = copy.deepcopy(_base(self.policy).config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # vLLM receives dequantized weights
@@ -210,12 +208,8 @@ class VllmSampler:
         else:
             options |= {"kv_cache_memory_bytes": int(vllm.kv_cache_gb * 2**30), "enforce_eager": True}
         # vLLM seeds the process's generators as it starts: the training's draws (dropout, data order) stay ours.
-        numpy_state = numpy.random.get_state()
-        try:
-            with forked_rng(self.device):
-                return LLM(**options)
-        finally:
-            numpy.random.set_state(numpy_state)
+        with forked_rng(self.device):
+            return LLM(**options)
 
 
 def _base(policy: nn.Module) -> nn.Module:

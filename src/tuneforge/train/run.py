@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shlex
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from tuneforge.doctor import FAIL, format_checks, run_checks
 from tuneforge.engines import Engine, EngineChoice, EngineTraits, choose_engine
 from tuneforge.engines.base import FrozenModel
 from tuneforge.errors import SharedUserError, UserError
+from tuneforge.forked_rng import forked_rng
 from tuneforge.host_memory import freed_host_memory_kept
 from tuneforge.model import packed_attention
 from tuneforge.model.build import (
@@ -286,16 +286,6 @@ def setup(
         run_id=run_id,
         images=vision.tokens if vision is not None else None,
     )
-
-
-@contextlib.contextmanager
-def forked_rng(device: torch.device) -> Iterator[None]:
-    """Random draws inside (a model's initialisation) leave the run's generators as they were."""
-    devices = [device] if device.type == "cuda" else []
-    state = random.getstate()
-    with torch.random.fork_rng(devices=devices):
-        yield
-    random.setstate(state)
 
 
 def check_engine(cfg: Config, chosen: EngineChoice, info: DistInfo, tokenizer, say: Say) -> None:
