@@ -151,7 +151,7 @@ class VllmSampler:
     def sample(self, prompts: list[list[int]], keys: torch.Tensor) -> tuple[list[list[int]], list[bool]]:
         from vllm import SamplingParams
 
-        if not self.checked:
+        if not self.checked and len(prompts[0]) > 1:  # a prompt's tokens after the first are what is compared
             self._check_against_policy(prompts[0])
             self.checked = True
         settings, generations = self.settings, self.settings.generations
