@@ -57,9 +57,9 @@ class PromptContext:
     seed: int
     """The run's seed: with the step, a prompt's index and a completion's number, what its sampling draws."""
     prompts: Callable[[int], Conversation] | None = None
+    """Each prompt's conversation by data index, for rewards that read it (a reward model)."""
     max_prompt_tokens: int = 1024
     """The longest prompt (`data.max_length`): with `rl.max_completion_tokens`, the longest sequence sampled."""
-    """Each prompt's conversation by data index, for rewards that read it (a reward model)."""
 
 
 def _cross_entropy(given: ObjectiveInputs) -> Objective:
