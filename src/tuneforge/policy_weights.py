@@ -10,30 +10,43 @@ merging in place would round a 4-bit base through a second quantization and chan
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from tuneforge.model.structure import decoder_layers
+
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 """A name's decoder layer (`model.layers.7`): transformers' conversions group tensors within one layer."""
 
 
-def policy_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+Whole = Callable[[nn.Module], AbstractContextManager]
+"""`Engine.whole`: a unit's (the root's, a decoder layer's) parameters gathered while inside, under sharding."""
+
+
+def policy_weights(
+    model: nn.Module, dtype: torch.dtype | None = None, whole: Whole | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) of every weight of `model` (a transformers model, or a PEFT model around one),
-    adapters merged and quantized weights dequantized, cast to `dtype` when given; one decoder layer at a time."""
+    adapters merged and quantized weights dequantized, cast to `dtype` when given; one decoder layer at a time.
+    With `whole` (sharded weights: a collective, every rank reads the same), each unit is gathered in turn and
+    what it yields copied before it is released."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = {id(layer) for layer in decoder_layers(base)} if whole else set()
     group, chunk = None, {}
-    with torch.no_grad():
-        for name, tensor in _effective(base, ""):
+    with torch.no_grad(), whole(base) if whole else contextlib.nullcontext():
+        for name, tensor in _effective(base, "", layers, whole):
             key = _group_of(name)
             if key != group and chunk:
                 yield from _checkpoint_names(base, chunk, dtype)
                 chunk = {}
             group = key
-            chunk[name] = tensor
+            chunk[name] = tensor.clone() if whole else tensor  # taken while its unit is gathered
         if chunk:
             yield from _checkpoint_names(base, chunk, dtype)
 
@@ -52,8 +65,15 @@ def _checkpoint_names(
         yield name, tensor if dtype is None else tensor.to(dtype)
 
 
-def _effective(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The module's tensors as the forward uses them, by their names in the plain (unwrapped) model."""
+def _effective(
+    module: nn.Module, prefix: str, layers: set[int] = frozenset(), whole: Whole | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The module's tensors as the forward uses them, by their names in the plain (unwrapped) model; a decoder
+    layer among `layers` gathered by `whole` while its tensors are taken."""
+    if id(module) in layers and whole is not None:
+        with whole(module):
+            yield from _effective(module, prefix)
+        return
     if _is_adapter_layer(module):
         yield from _merged(module, prefix)
         return
@@ -68,7 +88,7 @@ def _effective(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tens
             yield prefix + name, buffer
     for name, child in module.named_children():
         if name != "parametrizations":
-            yield from _effective(child, f"{prefix}{name}.")
+            yield from _effective(child, f"{prefix}{name}.", layers, whole)
 
 
 def _merged(layer: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,9 +112,19 @@ def _is_adapter_layer(module: nn.Module) -> bool:
 
 
 def _dequantized(module: nn.Module, name: str, parameter: torch.Tensor) -> torch.Tensor:
-    """A bitsandbytes 4-bit or 8-bit weight as the compute dtype holds it; any other tensor as it is."""
-    if name == "weight" and type(parameter).__name__ in ("Params4bit", "Int8Params"):
+    """A bitsandbytes 4-bit or 8-bit weight as the compute dtype holds it; any other tensor as it is. A sharded
+    engine's gathered 4-bit weight is a plain tensor of the packed data: its quantization state is the module's
+    (where bitsandbytes keeps it for sharding)."""
+    if name != "weight":
+        return parameter
+    kind = type(parameter).__name__
+    if kind == "Int8Params":
         from peft.utils.integrations import dequantize_module_weight
 
         return dequantize_module_weight(module)
+    if kind == "Params4bit" or any(c.__name__ == "Linear4bit" for c in type(module).__mro__):
+        import bitsandbytes
+
+        state = getattr(parameter, "quant_state", None) or getattr(module, "quant_state", None)
+        return bitsandbytes.functional.dequantize_4bit(parameter.data, state)
     return parameter

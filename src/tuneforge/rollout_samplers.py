@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
 import tempfile
+import weakref
 from typing import Protocol
 
 import torch
@@ -21,7 +23,7 @@ from tuneforge.errors import UserError
 from tuneforge.forked_rng import forked_rng
 from tuneforge.generate import sample_completions
 from tuneforge.model.precision import autocast
-from tuneforge.policy_weights import policy_weights
+from tuneforge.policy_weights import Whole, policy_weights
 
 
 class CompletionSampler(Protocol):
@@ -86,7 +88,8 @@ class VllmSampler:
     call), built on first use from the policy's config with placeholder weights, then refreshed from
     `policy_weights` (adapters merged, 4-bit weights dequantized, checkpoint names) before every rollout and its
     prefix cache dropped, as cached prompts were computed with the old weights. On a GPU it sleeps during the
-    update (`rl.vllm.sleep`), its memory released."""
+    update (`rl.vllm.sleep`), its memory released. On several ranks each has its own engine, refreshed from the
+    policy gathered a unit at a time where the engine shards it (`whole`: a collective every rank runs alike)."""
 
     def __init__(
         self,
@@ -97,8 +100,11 @@ class VllmSampler:
         device: torch.device,
         seed: int,
         max_prompt_tokens: int,
+        world_size: int = 1,
+        whole: Whole | None = None,
     ):
         self.policy, self.settings, self.stop_ids = policy, settings, stop_ids
+        self.world_size, self.whole = world_size, whole
         self.dtype_name = VLLM_DTYPES.get(precision, "float32")
         self.device, self.seed = device, seed
         self.max_model_len = max_prompt_tokens + settings.max_completion_tokens
@@ -114,7 +120,7 @@ class VllmSampler:
         elif self.asleep:
             self.engine.wake_up()
             self.asleep = False
-        weights = policy_weights(self.policy, getattr(torch, self.dtype_name))
+        weights = policy_weights(self.policy, getattr(torch, self.dtype_name), self.whole)
         self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.engine.reset_prefix_cache()
         self.checked = False
@@ -122,7 +128,8 @@ class VllmSampler:
     def _check_against_policy(self, prompt: list[int]) -> None:
         """vLLM's log-probabilities of a prompt's tokens against the policy's own: a copy that computes another
         function (a reload vLLM mishandles for some model, a layout read wrongly) would sample completions the
-        loss then weighs as the policy's, silently. Once a rollout, on its first prompt."""
+        loss then weighs as the policy's, silently. Once a rollout, on its first prompt; every rank runs it (a
+        sharded policy's forward is a collective), and compares where the prompt has tokens after its first."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
@@ -138,7 +145,7 @@ class VllmSampler:
         finally:
             self.policy.train(was_training)
         ours = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0].cpu()
-        gap = float((theirs - ours).abs().mean())
+        gap = float((theirs - ours).abs().mean()) if len(prompt) > 1 else 0.0
         if gap > PROBE_TOLERANCE[self.dtype_name]:
             raise UserError(
                 f"rl.generator: vllm: the vLLM engine's copy of the policy computes another function (its "
@@ -151,7 +158,7 @@ class VllmSampler:
     def sample(self, prompts: list[list[int]], keys: torch.Tensor) -> tuple[list[list[int]], list[bool]]:
         from vllm import SamplingParams
 
-        if not self.checked and len(prompts[0]) > 1:  # a prompt's tokens after the first are what is compared
+        if not self.checked:
             self._check_against_policy(prompts[0])
             self.checked = True
         settings, generations = self.settings, self.settings.generations
@@ -182,6 +189,10 @@ class VllmSampler:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
+        # The engine gets token ids, no tokenizer, so vLLM's chat-template warm-up fails by design: not a warning.
+        logging.getLogger("vllm.renderers.base").addFilter(_without_chat_warmup)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_without_rotary_reload)
+
         config = copy.deepcopy(_base(self.policy).config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # vLLM receives dequantized weights
@@ -207,9 +218,42 @@ class VllmSampler:
             }
         else:
             options |= {"kv_cache_memory_bytes": int(vllm.kv_cache_gb * 2**30), "enforce_eager": True}
+        if self.world_size > 1:
+            # An engine on each rank, on its LOCAL_RANK's device, in the training's process group: one model
+            # replica per rank (vLLM's "external" data parallelism), so its `generate` holds no collective and a
+            # rank whose completions end sooner goes on to the next collective of the training, where the others
+            # join it.
+            options |= {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
         # vLLM seeds the process's generators as it starts: the training's draws (dropout, data order) stay ours.
         with forked_rng(self.device):
-            return LLM(**options)
+            engine = LLM(**options)
+        _RUNNING.add(self)
+        return engine
+
+    def shut_down(self) -> None:
+        if self.engine is not None:
+            self.engine.llm_engine.engine_core.shutdown()
+            self.engine = None
+
+
+_RUNNING: weakref.WeakSet[VllmSampler] = weakref.WeakSet()
+
+
+def shut_down_engines() -> None:
+    """Ends this process's vLLM engines, at the end of a run. vLLM's own teardown ends the process group too (its
+    groups are made in the training's), so it runs before the run's, which must then find none left; left to
+    the interpreter's exit, it would come after the run's and fail on groups already gone."""
+    for sampler in list(_RUNNING):
+        sampler.shut_down()
+
+
+def _without_chat_warmup(record: logging.LogRecord) -> bool:
+    return record.getMessage() != "Chat template warmup failed"
+
+
+def _without_rotary_reload(record: logging.LogRecord) -> bool:
+    # A rotary embedding's table is computed, not loaded: vLLM keeps it through each reload and says so.
+    return record.getMessage() != "RotaryEmbedding: Failed to load weights"
 
 
 def _base(policy: nn.Module) -> nn.Module:
@@ -222,20 +266,17 @@ def _vllm_version() -> str:
     return getattr(vllm, "__version__", "?")
 
 
-def generator_problem(settings: RLConfig, sharded: bool, world_size: int) -> str | None:
+def generator_problem(settings: RLConfig, expert_parallel: int = 1) -> str | None:
     """Why `rl.generator` cannot run in this launch, found before the model loads, or None. (The config alone
     is not refused: the doctor sizes a vLLM job on a machine without vLLM.)"""
     if settings.generator != "vllm":
         return None
-    if sharded:
+    if expert_parallel > 1:
         return (
-            "rl.generator: vllm reads the policy's weights whole, and this engine shards them (FSDP2 or ZeRO-3); "
-            "use parallel.engine single, ddp or deepspeed with ZeRO 0-2, or rl.generator: transformers"
-        )
-    if world_size > 1:
-        return (
-            f"rl.generator: vllm runs in one process in this version ({world_size} ranks here): each rank would "
-            "need its own vLLM engine kept in step with the others; use rl.generator: transformers on several ranks"
+            f"rl.generator: vllm copies the whole policy into each rank's engine, and parallel.expert_parallel: "
+            f"{expert_parallel} leaves each rank only its own experts; use parallel.expert_parallel: 1 (ZeRO-3 or "
+            "FSDP2 shard the experts too, and are gathered a layer at a time for the copy) or rl.generator: "
+            "transformers"
         )
     if importlib.util.find_spec("vllm") is None:
         return (
@@ -257,11 +298,13 @@ def build_sampler(
     device: torch.device,
     seed: int,
     max_prompt_tokens: int,
-    sharded: bool = False,
+    whole: Whole | None = None,
 ) -> CompletionSampler:
+    """`whole`: the engine's gathering of sharded weights (`Engine.whole`), None where every rank holds them.
+    (Expert parallelism is refused before the model loads, `generator_problem`.)"""
     if settings.generator == "transformers":
         return TransformersSampler(plain, settings, stop_ids, pad_id, precision, synced)
-    problem = generator_problem(settings, sharded, world_size)
+    problem = generator_problem(settings)
     if problem:
         raise UserError(problem)
-    return VllmSampler(policy, settings, stop_ids, precision, device, seed, max_prompt_tokens)
+    return VllmSampler(policy, settings, stop_ids, precision, device, seed, max_prompt_tokens, world_size, whole)

@@ -226,6 +226,13 @@ class Engine(abc.ABC):
         """`model` with no gradient and in eval mode, placed like the policy (`FrozenModel`). Every rank calls it:
         sharding engines shard it with the same process group and settings."""
 
+    def whole(self, unit: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Inside, `unit`'s parameters are whole on this rank, to be read (a copy made of what must outlive it).
+        `unit` is the model's root (then its parameters outside the decoder layers) or one decoder layer: the units
+        sharding engines shard by. A collective for sharded engines: every rank enters the same units in the same
+        order."""
+        return contextlib.nullcontext()
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights for saving, on rank 0. A collective for sharded engines: every rank calls
         it. None means the unwrapped model's own weights are the whole model."""

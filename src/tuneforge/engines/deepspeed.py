@@ -31,6 +31,7 @@ from tuneforge.engines.expert_parallel import (
 from tuneforge.errors import SharedUserError, UserError
 from tuneforge.model.moe import MoEMap
 from tuneforge.model.router_balance import RouterBalance
+from tuneforge.model.structure import decoder_layers
 from tuneforge.pickle_guard import refuse_unsafe_pickles
 
 DEEPSPEED_RECORD_TYPES = (
@@ -370,6 +371,19 @@ class DeepSpeedEngine(Engine):
     def generates_in_lockstep(self) -> bool:
         # Under expert parallelism every MoE forward exchanges tokens with the group's other ranks.
         return super().generates_in_lockstep or self.expert_parallel > 1
+
+    def whole(self, unit: torch.nn.Module) -> contextlib.AbstractContextManager:
+        if not self.traits.sharded:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        layers = decoder_layers(self.unwrapped)
+        if any(unit is layer for layer in layers):
+            parameters = list(unit.parameters())
+        else:  # the root: what is outside the decoder layers, which are gathered one by one
+            inside = {id(p) for p in layers.parameters()}
+            parameters = [p for p in unit.parameters() if id(p) not in inside]
+        return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.expert_parallel > 1:

@@ -166,6 +166,15 @@ class FSDPEngine(Engine):
     def model(self) -> torch.nn.Module:
         return self._model
 
+    @contextlib.contextmanager
+    def whole(self, unit: torch.nn.Module):
+        # Every decoder layer and the root are FSDP units; the root's own group is what lies outside the layers.
+        unit.unshard()
+        try:
+            yield
+        finally:
+            unit.reshard()
+
     @property
     def unwrapped(self) -> torch.nn.Module:
         return self._model

@@ -138,7 +138,7 @@ def _group_relative(given: ObjectiveInputs) -> Objective:
             engine.info.device,
             context.seed,
             context.max_prompt_tokens,
-            engine.sharded,
+            engine.whole if engine.sharded else None,
         ),
         lambda value: gather_objects(value, engine.info),
         reference,

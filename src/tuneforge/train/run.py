@@ -47,7 +47,7 @@ from tuneforge.model.sequence_parallel import init_groups, unsupported
 from tuneforge.model.trainable import make_trainable
 from tuneforge.model.vision_training import part_learning_rates, settings_of
 from tuneforge.objective.rewards import ALLOW_REWARD_CODE, build_rewards, load_reward_models
-from tuneforge.rollout_samplers import generator_problem
+from tuneforge.rollout_samplers import generator_problem, shut_down_engines
 from tuneforge.run_files import RunFiles
 from tuneforge.train.checkpoint import tidy_checkpoints
 from tuneforge.train.evaluate import exact_match, write_result
@@ -160,7 +160,8 @@ def _locked_run(
         raise
     finally:
         watchdog.stop(outcome)
-        if info.distributed:
+        shut_down_engines()  # vLLM's teardown ends the process group it shares: first, and only once
+        if info.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
@@ -294,7 +295,7 @@ def check_engine(cfg: Config, chosen: EngineChoice, info: DistInfo, tokenizer, s
         chosen.traits.check_compile()
         check_compiler(info.device)
     problems, line = chosen.model_problems(cfg, lambda: model_config(cfg.model, tokenizer), info.world_size)
-    if cfg.objective.prompted and (problem := generator_problem(cfg.rl, chosen.traits.sharded, info.world_size)):
+    if cfg.objective.prompted and (problem := generator_problem(cfg.rl, cfg.parallel.expert_parallel)):
         problems.append(problem)
     if problems:  # from the config and the launch: every rank finds the same
         raise SharedUserError("\n".join(problems))
