@@ -120,7 +120,22 @@ def test_a_weight_without_a_llama_cpp_name_is_refused_by_name(byte_tokenizer, tm
         from tuneforge.gguf_export.tensors import gguf_tensors
 
         list(gguf_tensors(weights, model.config, facts(model.config)))
-    assert not (tmp_path / "out").exists()
+
+
+def test_a_name_llama_cpp_does_not_read_one_written_twice_or_a_layer_left_out_is_refused(byte_tokenizer):
+    from tuneforge.gguf_export.architectures import facts
+    from tuneforge.gguf_export.tensors import check_names, gguf_tensors
+
+    model = tiny_model("llama", byte_tokenizer)
+    found = facts(model.config)
+    names = [name for name, _ in gguf_tensors(model.state_dict(), model.config, found)]
+    check_names(names, found)  # the conversion's own names pass
+    with pytest.raises(UserError, match=r"llama.cpp's llama reads no tensor named blk\.0\.attn_qq\.weight"):
+        check_names([*names, "blk.0.attn_qq.weight"], found)
+    with pytest.raises(UserError, match=r"tensors written twice: blk\.0\.attn_q\.weight$"):
+        check_names([*names, "blk.0.attn_q.weight"], found)
+    with pytest.raises(UserError, match=r"no weights for layer\(s\) \[1\]"):
+        check_names([name for name in names if not name.startswith("blk.1.")], found)
 
 
 @pytest.mark.parametrize(
@@ -217,7 +232,7 @@ def test_the_modelfile_template_renders_as_training_did_in_go(name, byte_tokeniz
 
 # llama.cpp itself (the `gguf` extra's llama-cpp-python) reads the files back.
 needs_llama_cpp = pytest.mark.skipif(
-    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the gguf extra) is not installed"
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the llamacpp extra) is not installed"
 )
 TEXT = "The quick brown fox: #ff8800 is 255,136,0. It's 2026!\n中文 ünïcödé  spaces\tand tabs"
 
@@ -321,6 +336,35 @@ def test_one_conversation_renders_the_same_through_every_export(tmp_path):
     assert 'PARAMETER stop "</s>"' in modelfile
     go = go_template(template, tokenizer.bos_token, tokenizer.eos_token, None)
     assert f'TEMPLATE """{go}"""' in modelfile
+
+
+def test_the_training_templates_stop_tokens_travel_into_every_export(tmp_path):
+    """A template whose replies end with a stop word of one token (as `<|eot_id|>` or `<|im_end|>`): the adapter's
+    and the vLLM adapter's generation_config.json, the merged model's generation config, the GGUF (its end-of-turn
+    token) and the Modelfile all stop there as well as at the EOS; the base's own stops are kept."""
+    from transformers import GenerationConfig
+
+    from tuneforge.export import export
+
+    checkpoint = adapter_checkpoint(tmp_path / "run", trained=True)
+    base = tmp_path / "run" / "base"
+    GenerationConfig(eos_token_id=[7], bos_token_id=1).save_pretrained(base)  # the base's own extra stop
+    (checkpoint / "tuneforge.json").write_text(json.dumps({"template": {**DEMO_TEMPLATE, "stop_words": [";"]}}))
+    tokenizer = demo_tokenizer()
+    eos, stop = tokenizer.eos_token_id, tokenizer(";", add_special_tokens=False)["input_ids"][0]
+    lines = export(checkpoint, tmp_path / "adapter", merge=False, dtype_name=None)
+    assert f"stops at token ids {[eos, stop]}" in "\n".join(lines)
+    export(checkpoint, tmp_path / "merged", merge=True, dtype_name=None)
+    export_gguf(checkpoint, tmp_path / "gguf", "f16")
+    served = tuneforge_here("export", str(checkpoint), "--out", str(tmp_path / "vllm"), "--for", "vllm")
+    assert served.returncode == 0, served.stderr
+    assert f"--generation-config {tmp_path / 'vllm'}" in served.stdout
+    for directory in ("adapter", "merged", "vllm"):
+        assert GenerationConfig.from_pretrained(tmp_path / directory).eos_token_id == [eos, stop, 7], directory
+    meta = fields(tmp_path / "gguf" / "model.gguf")
+    assert (meta["tokenizer.ggml.eos_token_id"], meta["tokenizer.ggml.eot_token_id"]) == (eos, stop)
+    modelfile = (tmp_path / "gguf" / "Modelfile").read_text()
+    assert 'PARAMETER stop "</s>"' in modelfile and 'PARAMETER stop ";"' in modelfile
 
 
 @needs_llama_cpp

@@ -279,7 +279,8 @@ DEMO_OVERRIDES = [
 def test_the_demo_scores_higher_trained_and_as_the_harness_own_cli_scores_it(tmp_path, offline):
     """The demo trained briefly with `eval.lm_eval`: at the end the local task's score has risen from the fresh
     model the run started from to the final checkpoint, and `lm_eval run` on the merged export (the harness's own
-    CLI and loader, the template read from the export's tokenizer) gives the same scores."""
+    CLI and loader, the template read from the export's tokenizer) gives the same scores, as does `tuneforge
+    eval` on that export."""
     choice, likelihood = write_task(tmp_path, CHOICE_TASK, "choice"), write_task(tmp_path, LIKELIHOOD_TASK, "ll")
     tasks = f"{choice},{likelihood}"
     work_dir = tmp_path / "run"
@@ -311,8 +312,16 @@ def test_the_demo_scores_higher_trained_and_as_the_harness_own_cli_scores_it(tmp
     )
     assert harness.returncode == 0, harness.stderr[-3000:]
     cli = json.loads(next(cli_out.parent.rglob("cli*.json")).read_text())
+    # `tuneforge eval` on the merged export (a full model, its template in its tokenizer) scores the same too.
+    ours = tuneforge_here(
+        "eval", str(merged), "--tasks", tasks, "--limit", "40", "--batch-size", "40", "--no-base", "--device", "cpu",
+        "--out", str(tmp_path / "merged.json"),
+    )  # fmt: skip
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    on_merged = json.loads((tmp_path / "merged.json").read_text())
     for task, metric in (("hex_rgb_choice", "acc,none"), ("hex_rgb_likelihood", "perplexity,none")):
         assert cli["results"][task][metric] == pytest.approx(written["results"][task][metric], rel=1e-6, abs=0)
+        assert on_merged["results"][task][metric] == pytest.approx(written["results"][task][metric], rel=1e-6, abs=0)
 
 
 def test_local_task_files_in_a_config_are_beside_it_like_its_data(tmp_path, monkeypatch):

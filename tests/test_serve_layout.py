@@ -59,7 +59,8 @@ def test_qwen3_moe_experts_load_in_peft_from_the_per_expert_layout(tokenizer, tm
     checkpoint, base, trained = trained_adapter(tiny_qwen3_moe, tokenizer, tmp_path)
     lines = export_for_server(checkpoint, tmp_path / "vllm", "vllm", base)
     assert lines[0].startswith("exported adapter for vllm: ") and "one lora_A/lora_B pair per expert" in lines[0]
-    assert lines[1].startswith("serve: vllm serve BASE --enable-lora --max-lora-rank 4 --lora-modules NAME=")
+    # vLLM takes only some ranks for --max-lora-rank: the adapter's 4 is served under 8.
+    assert lines[1].startswith(f"serve: vllm serve {base.resolve()} --enable-lora --max-lora-rank 8 --lora-modules ")
     config = json.loads((tmp_path / "vllm" / "adapter_config.json").read_text())
     assert "target_parameters" not in config and {"gate_proj", "up_proj", "down_proj"} <= set(config["target_modules"])
     weights = load_file(tmp_path / "vllm" / "adapter_model.safetensors")
@@ -110,6 +111,7 @@ def test_deepseek_v2_experts_get_the_same_update_per_expert(tokenizer, tmp_path)
     [
         ({"r": 4, "use_dora": True}, "serves no DoRA adapters"),
         ({"r": 600}, "rank 600 is above vllm's limit of 512"),
+        ({"r": 4, "modules_to_save": ["lm_head"]}, "layers trained in full (lm_head) are not adapters"),
     ],
 )
 def test_what_the_server_cannot_load_is_refused_with_the_merged_export_offered(lora, refusal, tokenizer, tmp_path):
@@ -123,3 +125,51 @@ def test_a_full_checkpoint_is_served_as_it_is(tokenizer, tmp_path):
     tiny_llama(tokenizer).save_pretrained(tmp_path / "full")
     with pytest.raises(UserError, match="is a full model, which vllm serves as it is"):
         export_for_server(tmp_path / "full", tmp_path / "out", "vllm")
+
+
+def test_a_layer_whose_own_rank_is_above_the_limit_is_refused(tokenizer, tmp_path):
+    checkpoint, base, _ = trained_adapter(tiny_llama, tokenizer, tmp_path, experts=False)
+    config_path = checkpoint / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "rank_pattern": {"q_proj": 1024}}))
+    with pytest.raises(UserError, match=r"a layer's rank is above vllm's limit of 512; use export --merge"):
+        export_for_server(checkpoint, tmp_path / "out", "vllm", base)
+
+
+def _base_of_type(base: Path, model_type: str, directory: Path) -> Path:
+    """`base`'s files with the config of another MoE class: which layout is written follows the class alone."""
+    from transformers import AutoConfig
+
+    directory.mkdir()
+    for path in base.iterdir():
+        (directory / path.name).write_bytes(path.read_bytes())
+    AutoConfig.for_model(model_type).save_pretrained(directory)
+    return directory
+
+
+def test_classes_that_read_fused_experts_get_the_stacked_adapter_as_trained(tokenizer, tmp_path):
+    """The weights and the stacked experts' `target_parameters` as trained: PEFT's loader puts the written adapter
+    on the experts again and gives the trained logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, base, trained = trained_adapter(tiny_qwen3_moe, tokenizer, tmp_path)
+    fused = _base_of_type(base, "qwen3_5_moe", tmp_path / "fused")
+    lines = export_for_server(checkpoint, tmp_path / "out", "vllm", fused)
+    assert "(qwen3_5_moe, experts in PEFT's stacked layout; rank 4)" in lines[0]
+    weights = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert weights.keys() == load_file(checkpoint / "adapter_model.safetensors").keys()
+    written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert any(".experts." in name for name in written["target_parameters"])
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "out").eval()
+    ids = torch.randint(3, len(tokenizer), (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_an_moe_class_whose_expert_layout_is_not_known_is_refused(tokenizer, tmp_path):
+    checkpoint, base, _ = trained_adapter(tiny_qwen3_moe, tokenizer, tmp_path)
+    unknown = _base_of_type(base, "olmoe", tmp_path / "olmoe")
+    with pytest.raises(UserError, match=r"which expert layout vllm's olmoe class reads is not known to tuneforge"):
+        export_for_server(checkpoint, tmp_path / "out", "vllm", unknown)
+    assert not (tmp_path / "out").exists()

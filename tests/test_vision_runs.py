@@ -224,8 +224,14 @@ def test_two_stages_end_in_a_model_transformers_loads(tmp_path):
     reloaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(stage_one), tmp_path / "adapter")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**inputs).logits, expected)
-    # Chat reads the image and answers what greedy generation on the same prompt gives.
+    # Written for a server, it is refused with the merged form offered: no server loads it whole.
     final = tmp_path / "s2" / "checkpoints" / "final"
+    served = tuneforge_here("export", str(final), "--out", str(tmp_path / "vllm"), "--for", "vllm")
+    assert served.returncode == 2 and not (tmp_path / "vllm").exists()
+    assert "vllm loads adapters on the language model only, not on the tower and projector; use export --merge" in (
+        served.stderr
+    )
+    # Chat reads the image and answers what greedy generation on the same prompt gives.
     chat = tuneforge_here(
         "chat", str(final), "--image", str(tmp_path / "0.png"), "--prompt", "Colour?", "--max-new-tokens", "5"
     )

@@ -15,6 +15,7 @@ from tuneforge.checkpoint_records import CHAT_META, read_chat_meta
 from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
+from tuneforge.export_stops import GENERATION_CONFIG, trained_stop_ids, with_stops, write_generation_config
 from tuneforge.model.build import model_class
 from tuneforge.model.portable_adapter import make_portable, plain_skeleton
 from tuneforge.model.unloaded_weights import UNLOADED_FILE, copy_unloaded, recall
@@ -161,7 +162,8 @@ def export(
     model = trained.model.to(dtype)
     scores = getattr(model, "generation_config", None) is None
     if not scores:
-        model.generation_config.eos_token_id = trained.tokenizer.eos_token_id
+        stops = trained_stop_ids(trained.tokenizer, meta)
+        model.generation_config.eos_token_id = with_stops(model.generation_config.eos_token_id, stops)
         model.generation_config.pad_token_id = trained.tokenizer.pad_token_id
     else:  # a reward model: transformers reads each conversation's score at its last token that is not the pad
         model.config.pad_token_id = trained.tokenizer.pad_token_id
@@ -205,9 +207,11 @@ def _export_adapter(
     processor = load_processor(checkpoint) if is_vision_checkpoint(base_path) else None
     note = attach_chat_template(processor.tokenizer if processor else tokenizer, meta)
     (processor or tokenizer).save_pretrained(tmp)
+    stops = write_generation_config(tmp, base_path, tokenizer, meta)
     (tmp / CHAT_META).write_text(json.dumps(meta, indent=2))
     finish_out(tmp, out)
     lines = [f"exported adapter: {out} (base {base_path}; load with PeftModel.from_pretrained)", note]
+    lines.append(f"stops at token ids {stops} ({GENERATION_CONFIG}: GenerationConfig.from_pretrained({out}))")
     if processor is not None and (beyond := adapters_beyond_language(checkpoint / ADAPTER_WEIGHTS, base_path)):
         lines.append(
             f"note: this adapter also changes the model's {beyond}; vLLM loads LoRA adapters on the language model "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,11 @@ from tuneforge.errors import UserError
 PER_EXPERT = {"deepseek_v2", "deepseek_v3", "qwen2_moe", "qwen3_moe", "mixtral", "qwen3_vl_moe", "glm4_moe"}
 STACKED = {"qwen3_5_moe", "qwen3_next", "gpt_oss", "nemotron_h", "llama4"}
 MAX_RANK = {"vllm": 512, "sglang": 512}
+SERVER_RANKS = {"vllm": (1, 8, 16, 32, 64, 128, 256, 320, 512)}
+"""The `--max-lora-rank` values a server accepts, where it accepts only some (vLLM refuses any other)."""
 SERVE_HINT = {
-    "vllm": "vllm serve BASE --enable-lora --max-lora-rank {rank} --lora-modules NAME={out}",
-    "sglang": "python -m sglang.launch_server --model-path BASE --enable-lora --max-lora-rank {rank} "
+    "vllm": "vllm serve {base} --enable-lora --max-lora-rank {rank} --lora-modules NAME={out}",
+    "sglang": "python -m sglang.launch_server --model-path {base} --enable-lora --max-lora-rank {rank} "
     "--lora-paths NAME={out}",
 }
 MERGED = "export --merge (a full model every server loads)"
@@ -119,24 +122,35 @@ def per_expert_tensors(
 
 def server_adapter_config(config: dict, expert_projections: set[str]) -> dict:
     """The adapter config with linear layers named by their weight under `target_parameters` moved back to
-    `target_modules`, and the per-expert projections added there."""
+    `target_modules`, and the per-expert projections added there; stacked experts left stacked (no
+    `expert_projections`) stay under `target_parameters`, as trained."""
     out = dict(config)
     parameters = list(out.pop("target_parameters", None) or [])
     modules = set(out.get("target_modules") or [])
     modules |= {name.removesuffix(".weight").rsplit(".", 1)[-1] for name in parameters if name.endswith(".weight")}
     modules |= expert_projections
     out["target_modules"] = sorted(modules)
+    if stacked := [name for name in parameters if not name.endswith(".weight")] if not expert_projections else []:
+        out["target_parameters"] = stacked
     return out
 
 
 def export_for_server(checkpoint: Path, out: Path, server: str, base: Path | None = None) -> list[str]:
     """No model code runs and no weights but the adapter's are read: the layout comes from the config and a
     meta-device skeleton of the base."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     from tuneforge.checkpoint_records import CHAT_META, read_chat_meta
     from tuneforge.export import adapters_beyond_language, check_out, finish_out, prepare_out
-    from tuneforge.trained import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base, is_adapter, is_vision_checkpoint
+    from tuneforge.export_stops import GENERATION_CONFIG, write_generation_config
+    from tuneforge.trained import (
+        ADAPTER_CONFIG,
+        ADAPTER_WEIGHTS,
+        adapter_base,
+        is_adapter,
+        is_vision_checkpoint,
+        loading,
+    )
 
     if not is_adapter(checkpoint):
         raise UserError(
@@ -177,31 +191,42 @@ def export_for_server(checkpoint: Path, out: Path, server: str, base: Path | Non
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(written, indent=2))
     meta = read_chat_meta(checkpoint) or {}
     (tmp / CHAT_META).write_text(json.dumps(meta, indent=2))
-    template = _training_template(checkpoint, meta)
+    with loading("tokenizer", checkpoint):
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
+    stops = write_generation_config(tmp, base_path, tokenizer, meta)
+    template = _training_template(tokenizer, meta)
     if template:
         (tmp / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
     finish_out(tmp, out)
     rank = max([written.get("r", 0), *(written.get("rank_pattern") or {}).values()])
-    serve = SERVE_HINT[server].format(rank=rank, out=out)
+    serve = SERVE_HINT[server].format(
+        base=shlex.quote(str(Path(base_path).resolve())), rank=served_rank(server, rank), out=shlex.quote(str(out))
+    )
     if template:
-        serve += f" --chat-template {out / CHAT_TEMPLATE}"
+        serve += f" --chat-template {shlex.quote(str(out / CHAT_TEMPLATE))}"
+    if server == "vllm":  # its default stops are otherwise the base's generation config's
+        serve += f" --generation-config {shlex.quote(str(out))}"
     return [
         f"exported adapter for {server}: {out} ({model_type}, experts in {layout}; rank {rank})",
         f"serve: {serve}",
         f"{CHAT_TEMPLATE}: the template training used (the server otherwise prompts with the base model's own)"
         if template
         else "no chat template recorded: the server prompts with the base model's own",
+        f"{GENERATION_CONFIG}: stops at token ids {stops}, the training template's"
+        + (" (--generation-config)" if server == "vllm" else "; pass them as the request's stop_token_ids"),
     ]
 
 
-def _training_template(checkpoint: Path, meta: dict) -> str | None:
+def served_rank(server: str, rank: int) -> int:
+    """The `--max-lora-rank` to start `server` with for an adapter of `rank`: the rank, or the least value the
+    server accepts above it."""
+    accepted = SERVER_RANKS.get(server)
+    return min(value for value in accepted if value >= rank) if accepted else rank
+
+
+def _training_template(tokenizer, meta: dict) -> str | None:
     """The run's chat template as Jinja (a server formats prompts with the base's own unless given this)."""
-    from transformers import AutoTokenizer
-
     from tuneforge.export import attach_chat_template
-    from tuneforge.trained import loading
 
-    with loading("tokenizer", checkpoint):
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
     attach_chat_template(tokenizer, meta)
     return tokenizer.chat_template

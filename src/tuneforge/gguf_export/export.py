@@ -11,6 +11,7 @@ from tuneforge.checkpoint_records import CHAT_META, read_chat_meta
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
 from tuneforge.export import attach_chat_template, check_out, finish_out, prepare_out
+from tuneforge.export_stops import trained_stop_ids
 from tuneforge.gguf_export.architectures import gguf_architecture
 from tuneforge.gguf_export.modelfile import go_template, modelfile
 from tuneforge.gguf_export.write import OUTTYPES, write_gguf
@@ -49,7 +50,10 @@ def export_gguf(
     template = recorded_template(meta["template"], Path(CHAT_META)) if meta.get("template") is not None else None
     tmp = prepare_out(out)
     try:
-        written = write_gguf(trained.model, tokenizer, tokenizer.chat_template, tmp / GGUF_FILE, outtype, out.name)
+        stop_ids = trained_stop_ids(tokenizer, meta)
+        written = write_gguf(
+            trained.model, tokenizer, tokenizer.chat_template, tmp / GGUF_FILE, outtype, out.name, stop_ids
+        )
     except BaseException:
         remove_entry(tmp)
         raise

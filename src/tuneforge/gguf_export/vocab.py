@@ -79,6 +79,8 @@ class Vocabulary:
     unk_id: int | None
     add_bos: bool
     add_eos: bool
+    eot_id: int | None = None
+    """The chat template's end-of-turn token, where it has one besides the EOS (llama.cpp stops at both)."""
 
 
 @cache
@@ -225,6 +227,7 @@ def write_vocabulary(writer: gguf.GGUFWriter, vocab: Vocabulary) -> None:
     for setter, value in (
         (writer.add_bos_token_id, vocab.bos_id),
         (writer.add_eos_token_id, vocab.eos_id),
+        (writer.add_eot_token_id, vocab.eot_id),
         (writer.add_pad_token_id, vocab.pad_id),
         (writer.add_unk_token_id, vocab.unk_id),
     ):

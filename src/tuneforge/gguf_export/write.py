@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +67,18 @@ def _encode(tensor: torch.Tensor, kind: gguf.GGMLQuantizationType) -> np.ndarray
     return gguf.quants.quantize(data, kind)
 
 
-def write_gguf(model: Any, tokenizer: Any, chat_template: str | None, out: Path, outtype: str, name: str) -> Written:
+def write_gguf(
+    model: Any,
+    tokenizer: Any,
+    chat_template: str | None,
+    out: Path,
+    outtype: str,
+    name: str,
+    stop_ids: list[int] | None = None,
+) -> Written:
     """`model` a loaded transformers causal LM (adapters merged); written to `out` through a temporary file in
-    the same folder, so a stopped export leaves no half file under the final name."""
+    the same folder, so a stopped export leaves no half file under the final name. `stop_ids`: the training
+    template's stop tokens, EOS first; the next one becomes the end-of-turn token llama.cpp also stops at."""
     config = model.config
     found = facts(config)  # refuses an unconverted architecture before anything is read
     if (unloaded := recall(model)) is not None:
@@ -80,6 +89,7 @@ def write_gguf(model: Any, tokenizer: Any, chat_template: str | None, out: Path,
     state = model.state_dict()
     rows = state["model.embed_tokens.weight"].shape[0]
     vocab = vocabulary(tokenizer, rows)
+    vocab = replace(vocab, eot_id=next((i for i in stop_ids or [] if i != vocab.eos_id), None))
     tensors = list(gguf_tensors(state, config, found))  # every name checked before a byte is written
     write_hyperparameters(gguf.GGUFWriter(None, found.arch), config, rows)  # its refusals, before a file exists
     partial = out.with_name(f".{out.name}.partial")
