@@ -348,7 +348,9 @@ def test_the_training_templates_stop_tokens_travel_into_every_export(tmp_path):
 
     checkpoint = adapter_checkpoint(tmp_path / "run", trained=True)
     base = tmp_path / "run" / "base"
-    GenerationConfig(eos_token_id=[7], bos_token_id=1).save_pretrained(base)  # the base's own extra stop
+    # The base's own extra stop, and sampling settings that transformers' own save would refuse as they are.
+    base_config = {"eos_token_id": [7], "bos_token_id": 1, "temperature": 0.6, "top_p": 0.9}
+    (base / "generation_config.json").write_text(json.dumps(base_config))
     (checkpoint / "tuneforge.json").write_text(json.dumps({"template": {**DEMO_TEMPLATE, "stop_words": [";"]}}))
     tokenizer = demo_tokenizer()
     eos, stop = tokenizer.eos_token_id, tokenizer(";", add_special_tokens=False)["input_ids"][0]
@@ -360,9 +362,16 @@ def test_the_training_templates_stop_tokens_travel_into_every_export(tmp_path):
     assert served.returncode == 0, served.stderr
     assert f"--generation-config {tmp_path / 'vllm'}" in served.stdout
     for directory in ("adapter", "merged", "vllm"):
-        assert GenerationConfig.from_pretrained(tmp_path / directory).eos_token_id == [eos, stop, 7], directory
+        written = GenerationConfig.from_pretrained(tmp_path / directory)
+        assert (written.eos_token_id, written.temperature) == ([eos, stop, 7], 0.6), directory
     meta = fields(tmp_path / "gguf" / "model.gguf")
     assert (meta["tokenizer.ggml.eos_token_id"], meta["tokenizer.ggml.eot_token_id"]) == (eos, stop)
+    # The BOS as the tokenizer adds it: llama.cpp prepends it to the rendered chat as transformers does.
+    adds_bos = tokenizer("x")["input_ids"][0] == tokenizer.bos_token_id
+    assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.add_bos_token"]) == (
+        tokenizer.bos_token_id,
+        adds_bos,
+    )
     modelfile = (tmp_path / "gguf" / "Modelfile").read_text()
     assert 'PARAMETER stop "</s>"' in modelfile and 'PARAMETER stop ";"' in modelfile
 

@@ -15,7 +15,7 @@ from tuneforge.checkpoint_records import CHAT_META, read_chat_meta
 from tuneforge.data.jinja_template import to_jinja
 from tuneforge.data.templates import PromptTemplate, recorded_template
 from tuneforge.errors import UserError
-from tuneforge.export_stops import GENERATION_CONFIG, trained_stop_ids, with_stops, write_generation_config
+from tuneforge.export_stops import GENERATION_CONFIG, record_stops, trained_stop_ids, write_generation_config
 from tuneforge.model.build import model_class
 from tuneforge.model.portable_adapter import make_portable, plain_skeleton
 from tuneforge.model.unloaded_weights import UNLOADED_FILE, copy_unloaded, recall
@@ -161,13 +161,11 @@ def export(
     tmp = prepare_out(out)
     model = trained.model.to(dtype)
     scores = getattr(model, "generation_config", None) is None
-    if not scores:
-        stops = trained_stop_ids(trained.tokenizer, meta)
-        model.generation_config.eos_token_id = with_stops(model.generation_config.eos_token_id, stops)
-        model.generation_config.pad_token_id = trained.tokenizer.pad_token_id
-    else:  # a reward model: transformers reads each conversation's score at its last token that is not the pad
+    if scores:  # a reward model: transformers reads each conversation's score at its last token that is not the pad
         model.config.pad_token_id = trained.tokenizer.pad_token_id
     model.save_pretrained(tmp, safe_serialization=True)
+    if not scores:
+        record_stops(tmp, trained_stop_ids(trained.tokenizer, meta), trained.tokenizer.pad_token_id)
     carried = copy_unloaded(recall(trained.model), tmp)
     # A vision-language model's processor (image processor, tokenizer, chat template), for AutoProcessor.
     saved = trained.processor or trained.tokenizer

