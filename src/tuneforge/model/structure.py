@@ -13,4 +13,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(child) for child in module}) == 1
     ]
     assert stacks, f"{type(model).__name__} has no stack of identical layers"
-    return max(stacks, key=lambda stack: sum(p.numel() for p in stack.parameters()))
+    return max(stacks, key=lambda stack: sum(_full_numel(p) for p in stack.parameters()))
+
+
+def _full_numel(parameter: nn.Parameter) -> int:
+    # ZeRO-3 leaves each rank an empty placeholder; DeepSpeed records the whole size beside it.
+    return getattr(parameter, "ds_numel", None) or parameter.numel()
