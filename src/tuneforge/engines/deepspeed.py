@@ -9,6 +9,7 @@ different parameter all-gathers and wait for each other forever (the hang of the
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import math
@@ -377,13 +378,17 @@ class DeepSpeedEngine(Engine):
             return contextlib.nullcontext()
         import deepspeed
 
-        layers = decoder_layers(self.unwrapped)
-        if any(unit is layer for layer in layers):
+        if any(unit is layer for layer in self._decoder_layers):
             parameters = list(unit.parameters())
         else:  # the root: what is outside the decoder layers, which are gathered one by one
-            inside = {id(p) for p in layers.parameters()}
+            inside = {id(p) for p in self._decoder_layers.parameters()}
             parameters = [p for p in unit.parameters() if id(p) not in inside]
         return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
+
+    @functools.cached_property
+    def _decoder_layers(self) -> torch.nn.ModuleList:
+        # Found once: `whole` is entered for every unit of every rollout, and the search walks the whole model.
+        return decoder_layers(self.unwrapped)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.expert_parallel > 1:
