@@ -374,6 +374,10 @@ def test_the_training_templates_stop_tokens_travel_into_every_export(tmp_path):
     )
     modelfile = (tmp_path / "gguf" / "Modelfile").read_text()
     assert 'PARAMETER stop "</s>"' in modelfile and 'PARAMETER stop ";"' in modelfile
+    (base / "generation_config.json").write_text("{not json")  # a damaged file handed over with the base
+    with pytest.raises(UserError, match=r"generation_config\.json: not a readable generation config .*fix or remove"):
+        export(checkpoint, tmp_path / "again", merge=False, dtype_name=None)
+    assert not (tmp_path / "again").exists()
 
 
 @needs_llama_cpp

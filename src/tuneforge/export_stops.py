@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tuneforge.checkpoint_records import CHAT_META
 from tuneforge.data.templates import recorded_template
+from tuneforge.errors import UserError
 from tuneforge.generate import stop_token_ids
 
 GENERATION_CONFIG = "generation_config.json"
@@ -39,11 +40,21 @@ def record_stops(directory: Path, stop_ids: list[int], pad_id: int | None, base:
     and refuses some that hub models ship (a temperature without sampling), which are not the export's to fix."""
     path = directory / GENERATION_CONFIG
     source = path if path.is_file() else Path(base) / GENERATION_CONFIG if base is not None else None
-    config = json.loads(source.read_text(encoding="utf-8")) if source is not None and source.is_file() else {}
+    config = _read(source) if source is not None and source.is_file() else {}
     config["eos_token_id"] = with_stops(config.get("eos_token_id"), stop_ids)
     if pad_id is not None:
         config["pad_token_id"] = pad_id
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _read(source: Path) -> dict:
+    try:
+        config = json.loads(source.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{source}: not a readable generation config ({exc}); fix or remove the file") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{source}: a generation config is a JSON object; fix or remove the file")
+    return config
 
 
 def write_generation_config(
